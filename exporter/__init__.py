@@ -1,0 +1,43 @@
+"""rankscope's exporter: per-rank Prometheus metrics for any PyTorch training loop.
+
+Public API (everything else is private to the package):
+
+- :class:`Monitor`, :class:`MonitorConfig`, :func:`create_monitor` - record and serve metrics.
+- :class:`NullMonitor` - the same calls, doing nothing, for runs with monitoring off.
+- :class:`RankIdentity` - run id, rank, local rank and node, from torchrun's environment.
+- :data:`METRICS`, :func:`metric`, :class:`MetricSpec` - the metric contract.
+- :class:`MetricsPortInUse` - raised when a rank's metrics port is taken.
+"""
+
+from __future__ import annotations
+
+from .config import MonitorConfig, config_from_mapping
+from .contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec, metric
+from .discovery import write_file_sd
+from .identity import RankIdentity
+from .monitor import Monitor, StepContext
+from .null import NullMonitor
+from .server import MetricsPortInUse
+
+__all__ = [
+    "IDENTITY_LABELS",
+    "METRICS",
+    "MetricKind",
+    "MetricSpec",
+    "MetricsPortInUse",
+    "Monitor",
+    "MonitorConfig",
+    "NullMonitor",
+    "RankIdentity",
+    "StepContext",
+    "config_from_mapping",
+    "create_monitor",
+    "metric",
+    "write_file_sd",
+]
+
+
+def create_monitor(config: MonitorConfig | None = None, **kwargs: object) -> Monitor | NullMonitor:
+    """A Monitor, or a NullMonitor when `config.enabled` is False."""
+    config = config or MonitorConfig()
+    return Monitor(config, **kwargs) if config.enabled else NullMonitor()  # type: ignore[arg-type]

@@ -1,0 +1,106 @@
+"""Settings of the monitor, checked when built so a typo fails at start."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+__all__ = ["MonitorConfig", "config_from_mapping"]
+
+
+@dataclass
+class MonitorConfig:
+    """How one rank's monitor behaves. Every field has a safe default."""
+
+    enabled: bool = True
+    """False turns the monitor into a do-nothing sink (the loop runs unchanged)."""
+    host: str = "0.0.0.0"
+    """Address the metrics endpoint binds to. Metrics are read-only, so all interfaces by default."""
+    base_port: int = 9400
+    """Rank with local rank r serves on base_port + r. 0 picks a free port (tests)."""
+    port_fallback: int = 0
+    """If the port is taken, try up to this many following ports (logged loudly). 0 fails with a clear error."""
+    resolve_every_n_steps: int = 10
+    """On an accelerator, device scalars (loss, norms) become numbers every N steps, in one transfer.
+    CPU tensors cost nothing to read and are resolved every step."""
+    module_stats_every_n_steps: int = 50
+    """Per-module gradient norms and update ratios are computed on this interval (0 = never)."""
+    max_module_groups: int = 16
+    """Top-level module groups get their own `module` label; the rest share module="other"."""
+    skip_nonfinite: bool = False
+    """Skip the optimizer update when loss or gradient norm is NaN/inf, on all ranks alike.
+    Costs one host-device sync (and, with several ranks, one tiny all-reduce) per step."""
+    spike_window: int = 50
+    """Loss spike detection: rolling window of finite losses."""
+    spike_ratio: float = 2.0
+    """A loss above spike_ratio times the rolling mean is a spike candidate."""
+    spike_patience: int = 1
+    """Consecutive candidate steps before a spike is counted (once per episode)."""
+    probes: tuple[str, ...] = ("host", "device", "nvml")
+    """Resource probes sampled at scrape time."""
+    model_name: str = ""
+    """Goes into rankscope_run_info."""
+    config_hash: str = ""
+    """Goes into rankscope_run_info (e.g. a hash of the training config)."""
+
+    def __post_init__(self) -> None:
+        self.probes = tuple(self.probes)
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if not self.host or " " in self.host:
+                raise ValueError(f"metrics.host must be an IP address or host name, got {self.host!r}") from None
+        if not 0 <= self.base_port <= 65535:
+            raise ValueError(f"metrics.base_port must be between 0 and 65535, got {self.base_port}")
+        _at_least("metrics.port_fallback", self.port_fallback, 0)
+        _at_least("metrics.resolve_every_n_steps", self.resolve_every_n_steps, 1)
+        _at_least("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, 0)
+        _at_least("metrics.max_module_groups", self.max_module_groups, 1)
+        _at_least("metrics.spike_window", self.spike_window, 2)
+        _at_least("metrics.spike_patience", self.spike_patience, 1)
+        if not self.spike_ratio > 1.0:
+            raise ValueError(f"metrics.spike_ratio must be greater than 1, got {self.spike_ratio}")
+        unknown = set(self.probes) - {"host", "device", "nvml"}
+        if unknown:
+            raise ValueError(f"metrics.probes has unknown probe(s) {sorted(unknown)}; known: device, host, nvml")
+
+
+def _at_least(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def config_from_mapping(cls: type, data: dict[str, Any] | None, section: str) -> Any:
+    """Build a config dataclass from a mapping (e.g. a YAML section), naming any bad key.
+
+    Unknown keys and wrong types fail with `section.key` in a one-line message.
+    """
+    data = dict(data or {})
+    known = {f.name: f for f in fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"unknown setting {section}.{key}; known: {', '.join(sorted(known))}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(f"{section}.{key}", known[key], value)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, f: Any, value: Any) -> Any:
+    default = None if f.default is MISSING else f.default
+    if default is None or value is None:
+        return value
+    expected = type(default)
+    if expected is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is tuple and isinstance(value, list):
+        return tuple(value)
+    if not isinstance(value, expected) or isinstance(value, bool) and expected is not bool:
+        raise ValueError(f"{name} must be of type {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+

@@ -1,0 +1,205 @@
+"""The metric contract: every metric rankscope exposes, declared once.
+
+Rules, dashboards, tests and the trainer read names from here (or are checked
+against this module), so a rename cannot silently break a panel or an alert.
+
+Conventions (Prometheus): base units in the name (``_seconds``, ``_bytes``,
+``_ratio`` in 0..1), counters end in ``_total``, labels are bounded. Every
+series also carries the identity labels ``run_id``, ``rank``, ``local_rank``
+and ``node`` (see :data:`IDENTITY_LABELS`); ``labels`` below lists only the
+extras.
+
+Which signal shows what (under DDP):
+
+* ``step_duration_seconds`` is one whole iteration (data wait + compute +
+  communication). The all-reduce waits for the slowest rank, so every rank's
+  step takes the same wall time: step time shows that the *run* is slow, not
+  *which rank* is.
+* ``comm_duration_seconds`` is the time inside the all-reduce. A fast rank's
+  waiting for a slow peer is counted here, in the *fast* rank's comm time.
+* ``compute_duration_seconds`` = step - comm - data wait, per rank. This is the
+  signal that differs between ranks and reveals a straggler.
+* ``data_wait_seconds`` is time blocked on the next batch; a slow loader on one
+  rank shows here on that rank (and as comm wait on the others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "IDENTITY_LABELS",
+    "METRICS",
+    "MetricKind",
+    "MetricSpec",
+    "PREFIX",
+    "STEP_TIME_BUCKETS",
+    "metric",
+]
+
+PREFIX = "rankscope_"
+
+#: Labels carried by every series, in this order.
+IDENTITY_LABELS: tuple[str, ...] = ("run_id", "rank", "local_rank", "node")
+
+#: Step-scale durations: 1 ms to 5 min. 0.1 s is a boundary on purpose (the
+#: data-loader alert compares p90 data wait against 100 ms).
+STEP_TIME_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+    0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+#: Data waits are usually far below a step; finer at the low end.
+DATA_WAIT_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+CHECKPOINT_BUCKETS: tuple[float, ...] = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+TEXT_LENGTH_BUCKETS: tuple[float, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+IMAGE_SIDE_BUCKETS: tuple[float, ...] = (16, 32, 48, 64, 96, 128, 192, 224, 256, 384, 512, 1024, 2048, 4096)
+
+
+class MetricKind(str, Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+    INFO = "info"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family as it appears in PromQL.
+
+    ``name`` is the exposed family name: counters include ``_total``, info
+    metrics ``_info``, histograms the base name (series add ``_bucket``,
+    ``_sum``, ``_count``).
+    """
+
+    name: str
+    kind: MetricKind
+    help: str
+    unit: str = ""
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    #: Who records it: ``core`` (the exporter's Monitor), ``probe`` (sampled at
+    #: scrape time), ``control`` (the control channel), ``trainer`` (the
+    #: reference trainer or any loop that chooses to).
+    source: str = "core"
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return IDENTITY_LABELS + self.labels
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Every sample name this family produces, as PromQL sees it."""
+        if self.kind is MetricKind.HISTOGRAM:
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+    @property
+    def client_name(self) -> str:
+        """The name prometheus_client wants (it appends ``_total``/``_info``)."""
+        if self.kind is MetricKind.COUNTER:
+            return self.name.removesuffix("_total")
+        if self.kind is MetricKind.INFO:
+            return self.name.removesuffix("_info")
+        return self.name
+
+
+_C, _G, _H, _I = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM, MetricKind.INFO
+
+
+def _m(name: str, kind: MetricKind, help: str, **kw: object) -> MetricSpec:
+    return MetricSpec(PREFIX + name, kind, help, **kw)  # type: ignore[arg-type]
+
+
+_SPECS: tuple[MetricSpec, ...] = (
+    # --- step timing -------------------------------------------------------
+    _m("step_duration_seconds", _H, "Wall time of one training iteration (data wait + compute + communication).",
+       unit="seconds", buckets=STEP_TIME_BUCKETS),
+    _m("data_wait_seconds", _H, "Time blocked waiting for the next batch from the data loader.",
+       unit="seconds", buckets=DATA_WAIT_BUCKETS),
+    _m("comm_duration_seconds", _H, "Time spent in gradient all-reduce per step, measured by a DDP comm hook.",
+       unit="seconds", buckets=STEP_TIME_BUCKETS),
+    _m("compute_duration_seconds", _H,
+       "Per-rank compute time of a step: step minus communication minus data wait. Differs between ranks; "
+       "reveals stragglers.", unit="seconds", buckets=STEP_TIME_BUCKETS),
+    # --- progress ----------------------------------------------------------
+    _m("steps_total", _C, "Training steps completed by this rank."),
+    _m("samples_total", _C, "Training samples processed by this rank."),
+    _m("tokens_total", _C, "Text tokens processed by this rank (excluding padding)."),
+    _m("global_step", _G, "The global training step this rank last completed."),
+    _m("last_step_timestamp_seconds", _G, "Unix time at which this rank last completed a step.", unit="seconds"),
+    # --- optimisation scalars ------------------------------------------------
+    _m("loss", _G, "Latest loss value.", labels=("split",)),
+    _m("grad_norm", _G, "Total gradient L2 norm before clipping (latest step)."),
+    _m("module_grad_norm", _G, "Gradient L2 norm per top-level module group (sampled on an interval).",
+       labels=("module",)),
+    _m("update_ratio", _G, "Norm of the parameter update divided by the parameter norm, per module group "
+       "(sampled on an interval).", unit="ratio", labels=("module",)),
+    _m("learning_rate", _G, "Current learning rate per optimizer parameter group.", labels=("param_group",)),
+    # --- guards ------------------------------------------------------------
+    _m("nonfinite_steps_total", _C, "Steps whose loss or gradient norm was NaN or infinite."),
+    _m("skipped_steps_total", _C, "Optimizer updates skipped by the non-finite guard."),
+    _m("loss_spikes_total", _C, "Loss spikes: loss above spike_ratio times its rolling mean for spike_patience "
+       "steps (counted once per episode)."),
+    # --- resources (probes, sampled at scrape time) ---------------------------
+    _m("device_memory_bytes", _G, "Accelerator memory of this rank's device.", unit="bytes",
+       labels=("kind",), source="probe"),
+    _m("host_memory_used_ratio", _G, "Fraction of the host's memory in use (psutil).", unit="ratio",
+       source="probe"),
+    _m("process_resident_memory_bytes", _G, "Resident set size of this rank's process.", unit="bytes",
+       source="probe"),
+    _m("gpu_utilization_ratio", _G, "GPU utilisation over the last sample period (NVML).", unit="ratio",
+       source="probe"),
+    _m("gpu_power_watts", _G, "GPU power draw (NVML).", unit="watts", source="probe"),
+    _m("gpu_temperature_celsius", _G, "GPU temperature (NVML).", unit="celsius", source="probe"),
+    # --- run identity and self-monitoring -------------------------------------
+    _m("run_info", _I, "Static facts about the run; value is always 1.",
+       labels=("world_size", "node_rank", "torch_version", "cuda_version", "backend", "model", "config_hash")),
+    _m("monitor_errors_total", _C, "Failures inside the monitor itself (training went on).", labels=("probe",)),
+    # --- control loop (exporter.control) --------------------------------------
+    _m("control_actions_total", _C, "Control actions by outcome.", labels=("action", "source", "result"),
+       source="control"),
+    _m("checkpoints_total", _C, "Checkpoints written, by reason (interval, alert, operator, stop, final).",
+       labels=("reason",), source="control"),
+    _m("checkpoint_duration_seconds", _H, "Time to write one checkpoint.", unit="seconds",
+       buckets=CHECKPOINT_BUCKETS, source="control"),
+    _m("last_checkpoint_timestamp_seconds", _G, "Unix time of the last completed checkpoint.", unit="seconds",
+       source="control"),
+    _m("paused", _G, "1 while training is paused by a control action, else 0.", source="control"),
+    # --- multimodal data and model statistics (the reference trainer) ----------
+    _m("contrastive_accuracy_ratio", _G, "In-batch retrieval accuracy of the contrastive model.", unit="ratio",
+       labels=("split", "direction"), source="trainer"),
+    _m("contrastive_temperature", _G, "Learned softmax temperature (1 / logit scale).", source="trainer"),
+    _m("text_length_tokens", _H, "Caption length in tokens, before padding.", unit="tokens",
+       buckets=TEXT_LENGTH_BUCKETS, source="trainer"),
+    _m("text_padding_ratio", _G, "Fraction of padding tokens in the latest text batch.", unit="ratio",
+       source="trainer"),
+    _m("image_size_pixels", _H, "Source image side length before resizing.", unit="pixels",
+       labels=("axis",), buckets=IMAGE_SIDE_BUCKETS, source="trainer"),
+    _m("image_channel_mean", _G, "Per-channel mean of the latest (normalised) image batch.",
+       labels=("channel",), source="trainer"),
+    _m("image_channel_std", _G, "Per-channel standard deviation of the latest (normalised) image batch.",
+       labels=("channel",), source="trainer"),
+    _m("fusion_gate_weight", _G, "Statistics of the fusion gate's weights.", labels=("stat",), source="trainer"),
+    _m("attention_entropy_nats", _G, "Mean attention entropy of a text-encoder layer (sampled on an interval).",
+       unit="nats", labels=("layer",), source="trainer"),
+    _m("data_skipped_samples_total", _C, "Samples skipped by the data set (missing or unreadable).",
+       labels=("reason",), source="trainer"),
+)
+
+#: name -> spec, in declaration order.
+METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def metric(name: str) -> MetricSpec:
+    """Look up a metric by its exposed name, with or without the prefix."""
+    key = name if name.startswith(PREFIX) else PREFIX + name
+    try:
+        return METRICS[key]
+    except KeyError:
+        raise KeyError(f"unknown rankscope metric {name!r}; see exporter.contract.METRICS") from None

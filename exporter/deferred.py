@@ -1,0 +1,63 @@
+"""Device values that become numbers later, in one batched transfer.
+
+Reading a CUDA tensor on the host (`.item()`, `float()`) waits for the device
+to finish: one stall per read. The monitor instead keeps detached tensors and
+resolves them together every N steps (one stall per N steps, at a point the
+loop chose). CPU tensors cost nothing to read and are resolved at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["DeferredValues"]
+
+Sink = Callable[[list[float]], None]
+
+
+class DeferredValues:
+    """A queue of (tensor, sink) owned by the training thread (no lock needed).
+
+    Sinks run in the order values were added, so a sink that depends on order
+    (the loss-spike detector) sees steps in sequence.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, Sink]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, value: torch.Tensor | float | int, sink: Sink) -> None:
+        """Queue a tensor (any shape; the sink gets its values flattened) or a number."""
+        if not isinstance(value, torch.Tensor):
+            sink([float(value)])
+            return
+        value = value.detach()
+        if value.device.type == "cpu" and not self._items:
+            sink(value.reshape(-1).tolist())
+        else:
+            # Keeps order with already-queued device values: a CPU value behind a
+            # queued CUDA value waits for the same flush.
+            self._items.append((value, sink))
+
+    def flush(self) -> None:
+        """Resolve everything queued: one device-to-host copy per device."""
+        if not self._items:
+            return
+        items, self._items = self._items, []
+        by_device: dict[torch.device, list[int]] = {}
+        for index, (tensor, _) in enumerate(items):
+            by_device.setdefault(tensor.device, []).append(index)
+        resolved: list[list[float]] = [[] for _ in items]
+        for indices in by_device.values():
+            flat = [items[i][0].reshape(-1).to(torch.float64) for i in indices]
+            values = torch.cat(flat).tolist()
+            offset = 0
+            for i, part in zip(indices, flat, strict=True):
+                resolved[i] = values[offset : offset + part.numel()]
+                offset += part.numel()
+        for (_, sink), values in zip(items, resolved, strict=True):
+            sink(values)

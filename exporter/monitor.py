@@ -1,0 +1,348 @@
+"""The Monitor: one rank's metrics, recorded from a normal training loop.
+
+    monitor = Monitor(MonitorConfig(base_port=9400))   # identity from torchrun's env
+    monitor.start()                                    # serves /metrics on 9400 + local_rank
+    monitor.watch(model, optimizer)                    # LRs, per-module norms, update ratios
+    monitor.attach_comm_hook(ddp_model)                # all-reduce time
+    for batch in monitor.data(loader):                 # data-loader wait
+        with monitor.step(samples=len(batch)) as step:  # step time, counters
+            loss = model(batch).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step.record(loss=loss, grad_norm=norm):  # False: guard says skip this update
+                optimizer.step()
+            optimizer.zero_grad()
+
+Cost: no host-device sync per step. Device scalars are kept detached and read
+in one batched transfer every `resolve_every_n_steps` steps (CPU tensors are
+read at once, which costs nothing). Resource probes run at scrape time, in
+the HTTP thread. The only optional sync is `skip_nonfinite=True`, which must
+know the answer before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from ._log import LogOnce
+from .comm import CommTimer, events_seconds
+from .config import MonitorConfig
+from .contract import PREFIX
+from .deferred import DeferredValues
+from .guards import LossSpikeDetector, agree_on_skip, nonfinite_flag
+from .identity import RankIdentity
+from .instruments import Instruments
+from .modules import ModuleStats
+from .probes import Probe, ProbeCollector, default_probes
+from .server import MetricsServer, serve_metrics
+
+__all__ = ["Monitor", "StepContext"]
+
+logger = logging.getLogger("rankscope")
+
+Number = float | int
+Value = torch.Tensor | Number
+
+
+def _default_device(identity: RankIdentity) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", identity.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class StepContext:
+    """Handed out by `Monitor.step()`; records what the step computed."""
+
+    def __init__(self, monitor: Monitor, index: int) -> None:
+        self._monitor = monitor
+        self.index = index
+        """The global step this step completes (1-based)."""
+        self.skipped = False
+        """True when the non-finite guard told the loop to skip the update."""
+
+    def record(self, loss: Value | None = None, grad_norm: Value | None = None) -> bool:
+        """Record loss and total gradient norm (pass what `clip_grad_norm_` returned:
+        the norm before clipping). Returns whether to apply the optimizer update:
+        False only when `skip_nonfinite` is on and a value was NaN/inf on any rank."""
+        return self._monitor._record_step_values(self, loss, grad_norm)
+
+
+class Monitor:
+    """Per-rank metrics for a training loop. See the module docstring for use."""
+
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        identity: RankIdentity | None = None,
+        *,
+        device: torch.device | str | None = None,
+        registry: CollectorRegistry | None = None,
+        probes: Iterable[Probe] | None = None,
+    ) -> None:
+        self.config = config or MonitorConfig()
+        self.identity = identity or RankIdentity.from_env()
+        self.device = torch.device(device) if device is not None else _default_device(self.identity)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.instruments = Instruments(self.registry, self.identity)
+        self.global_step = 0
+        self._deferred = DeferredValues()
+        self._spikes = LossSpikeDetector(self.config.spike_window, self.config.spike_ratio, self.config.spike_patience)
+        self._comm = CommTimer()
+        self._pending_comm: list[tuple[float, float, list[Any]]] = []
+        self._modules: ModuleStats | None = None
+        self._optimizer: Any | None = None
+        self._iteration_start: float | None = None
+        self._data_wait = 0.0
+        self._server: MetricsServer | None = None
+        self._log = LogOnce()
+        self._metric = {short: self.instruments.child(PREFIX + short) for short in _UNLABELLED}
+        chosen = list(probes) if probes is not None else default_probes(self.config.probes, self.device)
+        # Counters exist at 0 from the first scrape, so increase()/rate() see the first event.
+        for probe in chosen:
+            self.instruments.child(PREFIX + "monitor_errors_total", probe=probe.name)
+        self.registry.register(ProbeCollector(chosen, self.identity.labels(), self.record_error))
+        self._set_run_info()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> MetricsServer:
+        """Serve /metrics on base_port + local_rank (idempotent)."""
+        if self._server is None:
+            self._set_run_info()
+            port = 0 if self.config.base_port == 0 else self.config.base_port + self.identity.local_rank
+            who = f"rank {self.identity.rank} (local_rank {self.identity.local_rank}): "
+            self._server = serve_metrics(self.registry, self.config.host, port, self.config.port_fallback, who)
+            logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
+        return self._server
+
+    @property
+    def port(self) -> int | None:
+        return self._server.port if self._server else None
+
+    def close(self) -> None:
+        """Resolve what is pending, detach hooks and stop serving."""
+        self.flush()
+        if self._modules is not None:
+            self._modules.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # --- wiring to the model -----------------------------------------------------
+
+    def watch(self, model: torch.nn.Module, optimizer: Any | None = None) -> None:
+        """Learning rates from `optimizer`; per-module grad norms and update ratios
+        (groups = the model's top-level children) every `module_stats_every_n_steps`."""
+        self._optimizer = optimizer
+        if self._modules is not None:
+            self._modules.close()
+        self._modules = ModuleStats(
+            model, optimizer, self.config.module_stats_every_n_steps, self.config.max_module_groups, self._module_sink
+        )
+
+    def attach_comm_hook(self, ddp_model: Any) -> None:
+        """Time the gradient all-reduce of a DistributedDataParallel model.
+
+        Registers a comm hook that runs DDP's default all-reduce unchanged. Call
+        before the first backward (DDP allows one comm hook per model).
+        """
+        ddp_model.register_comm_hook(None, self._comm.hook)
+        self._comm.attached = True
+
+    # --- the loop ----------------------------------------------------------------
+
+    def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Iterate `iterable`, timing how long each `next()` blocks."""
+        iterator = iter(iterable)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self._iteration_start = started
+            self.record_data_wait(time.perf_counter() - started)
+            yield item
+
+    def record_data_wait(self, seconds: float) -> None:
+        """For loops that fetch batches themselves: time blocked on the next batch."""
+        self._data_wait = seconds
+        self.instruments.child(PREFIX + "data_wait_seconds").observe(seconds)
+
+    @contextmanager
+    def step(self, samples: int = 0, tokens: int = 0) -> Iterator[StepContext]:
+        """One training step. The step's duration runs from the start of this
+        iteration's data fetch (if `data()` is used) to the end of the block."""
+        started = self._iteration_start if self._iteration_start is not None else time.perf_counter()
+        context = StepContext(self, self.global_step + 1)
+        if self._modules is not None:
+            self._modules.begin_step(context.index)
+        yield context
+        # Only a block that completed counts as a step; an exception propagates untouched.
+        self._finish_step(context, time.perf_counter() - started, samples, tokens)
+
+    def set_step(self, step: int) -> None:
+        """Continue counting from `step` (after resuming from a checkpoint)."""
+        self.global_step = step
+        self._metric["global_step"].set(step)
+
+    def record_loss(self, value: Value, split: str = "val") -> None:
+        """Record a loss outside the training step (e.g. validation)."""
+        self.set("loss", value, split=split)
+
+    def set(self, name: str, value: Value, **labels: str) -> None:
+        """Set a gauge from the contract (short or full name); tensors are resolved lazily."""
+        child = self.instruments.child(_full(name), **labels)
+        self._deferred.add(value, lambda values: child.set(values[-1]))
+
+    def inc(self, name: str, amount: Value = 1, **labels: str) -> None:
+        """Increase a counter from the contract."""
+        child = self.instruments.child(_full(name), **labels)
+        self._deferred.add(amount, lambda values: child.inc(sum(values)))
+
+    def observe(self, name: str, value: Value, **labels: str) -> None:
+        """Observe into a histogram; a tensor contributes every element."""
+        child = self.instruments.child(_full(name), **labels)
+
+        def _observe(values: list[float]) -> None:
+            for v in values:
+                child.observe(v)
+
+        self._deferred.add(value, _observe)
+
+    def flush(self) -> None:
+        """Turn pending device values into numbers now (one transfer per device)."""
+        self._deferred.flush()
+        self._resolve_comm_events()
+
+    def record_error(self, probe: str) -> None:
+        """Count a failure inside monitoring (thread-safe)."""
+        self.instruments.child(PREFIX + "monitor_errors_total", probe=probe).inc()
+
+    # --- internals -----------------------------------------------------------------
+
+    def _record_step_values(self, context: StepContext, loss: Value | None, grad_norm: Value | None) -> bool:
+        try:
+            if self._modules is not None:
+                self._modules.record_grad_norms()
+            if loss is not None:
+                self._deferred.add(loss, self._on_loss)
+            if grad_norm is not None:
+                self.set("grad_norm", grad_norm)
+        except Exception as exc:  # monitoring must never break the step
+            self._fail("record", exc)
+        flag = nonfinite_flag(loss, grad_norm)
+        if not self.config.skip_nonfinite:
+            self._deferred.add(flag, self._on_nonfinite)
+            return True
+        # The one deliberate sync: the loop needs the answer before optimizer.step().
+        skip = agree_on_skip(flag)
+        self._on_nonfinite([float(skip)])
+        if skip:
+            context.skipped = True
+            self._metric["skipped_steps_total"].inc()
+        return not skip
+
+    def _finish_step(self, context: StepContext, seconds: float, samples: int, tokens: int) -> None:
+        try:
+            data_wait, self._data_wait, self._iteration_start = self._data_wait, 0.0, None
+            self.global_step = context.index
+            m = self._metric
+            m["step_duration_seconds"].observe(seconds)
+            m["steps_total"].inc()
+            if samples:
+                m["samples_total"].inc(samples)
+            if tokens:
+                m["tokens_total"].inc(tokens)
+            m["global_step"].set(context.index)
+            m["last_step_timestamp_seconds"].set(time.time())
+            comm_seconds, events = self._comm.take_step()
+            if events:
+                self._pending_comm.append((seconds, data_wait, events))
+            else:
+                self._observe_split(seconds, data_wait, comm_seconds)
+            self._record_learning_rates()
+            if self._deferred and context.index % self.config.resolve_every_n_steps == 0:
+                self.flush()
+        except Exception as exc:
+            self._fail("step", exc)
+
+    def _observe_split(self, step_seconds: float, data_wait: float, comm_seconds: float) -> None:
+        if self._comm.attached:
+            self._metric["comm_duration_seconds"].observe(comm_seconds)
+        self._metric["compute_duration_seconds"].observe(max(0.0, step_seconds - data_wait - comm_seconds))
+
+    def _resolve_comm_events(self) -> None:
+        while self._pending_comm:
+            step_seconds, data_wait, events = self._pending_comm[0]
+            comm_seconds = events_seconds(events)
+            if comm_seconds is None:
+                return  # not complete yet; the next flush gets it, in order
+            self._pending_comm.pop(0)
+            self._observe_split(step_seconds, data_wait, comm_seconds)
+
+    def _record_learning_rates(self) -> None:
+        if self._optimizer is None:
+            return
+        for index, group in enumerate(self._optimizer.param_groups):
+            self.set("learning_rate", group["lr"], param_group=str(index))
+
+    def _on_loss(self, values: list[float]) -> None:
+        loss = values[-1]
+        self.instruments.child(PREFIX + "loss", split="train").set(loss)
+        if self._spikes.update(loss):
+            self._metric["loss_spikes_total"].inc()
+
+    def _on_nonfinite(self, values: list[float]) -> None:
+        if values and values[-1]:
+            self._metric["nonfinite_steps_total"].inc()
+
+    def _module_sink(self, metric: str, group: str, value: torch.Tensor) -> None:
+        self.set(metric, value, module=group)
+
+    def _fail(self, probe: str, exc: BaseException) -> None:
+        self.record_error(probe)
+        self._log.warning(probe, "rankscope: %s failed (training goes on; counted, logged once): %r", probe, exc)
+
+    def _set_run_info(self) -> None:
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        self.instruments.child(PREFIX + "run_info").info(
+            {
+                "world_size": str(self.identity.world_size),
+                "node_rank": str(self.identity.node_rank),
+                "torch_version": torch.__version__,
+                "cuda_version": torch.version.cuda or "none",
+                "backend": str(backend),
+                "model": self.config.model_name or "unknown",
+                "config_hash": self.config.config_hash or "none",
+            }
+        )
+
+
+# Metrics without extra labels, bound once so the hot path is a dict lookup.
+_UNLABELLED = (
+    "step_duration_seconds",
+    "comm_duration_seconds",
+    "compute_duration_seconds",
+    "steps_total",
+    "samples_total",
+    "tokens_total",
+    "global_step",
+    "last_step_timestamp_seconds",
+    "nonfinite_steps_total",
+    "skipped_steps_total",
+    "loss_spikes_total",
+)
+
+
+def _full(name: str) -> str:
+    return name if name.startswith(PREFIX) else PREFIX + name
+

@@ -1,0 +1,72 @@
+"""A do-nothing Monitor for when monitoring is off: the loop code stays the same."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["NullMonitor"]
+
+
+class _NullStep:
+    skipped = False
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def record(self, loss: Any = None, grad_norm: Any = None) -> bool:
+        return True
+
+
+class NullMonitor:
+    """Same methods as Monitor; records nothing, serves nothing, costs nothing."""
+
+    port = None
+
+    def __init__(self) -> None:
+        self.global_step = 0
+
+    def start(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def watch(self, model: Any, optimizer: Any = None) -> None:
+        return None
+
+    def attach_comm_hook(self, ddp_model: Any) -> None:
+        return None
+
+    def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        return iter(iterable)
+
+    def record_data_wait(self, seconds: float) -> None:
+        return None
+
+    @contextmanager
+    def step(self, samples: int = 0, tokens: int = 0) -> Iterator[_NullStep]:
+        self.global_step += 1
+        yield _NullStep(self.global_step)
+
+    def set_step(self, step: int) -> None:
+        self.global_step = step
+
+    def record_loss(self, value: Any, split: str = "val") -> None:
+        return None
+
+    def set(self, name: str, value: Any, **labels: str) -> None:
+        return None
+
+    def inc(self, name: str, amount: Any = 1, **labels: str) -> None:
+        return None
+
+    def observe(self, name: str, value: Any, **labels: str) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def record_error(self, probe: str) -> None:
+        return None

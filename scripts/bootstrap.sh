@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything rankscope needs on a fresh Debian machine, idempotently:
+# the Prometheus and Alertmanager servers (Debian packages) and a virtual
+# environment in .venv with the project and its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+# The Debian packages start their own daemons on the default ports; our tests
+# and demo start their own servers, so stop the system ones if they run.
+for svc in prometheus prometheus-alertmanager prometheus-node-exporter; do
+  pkill -x "$svc" >/dev/null 2>&1 || true
+done
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$python" -m venv .venv
+fi
+stamp=.venv/.rankscope-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "bootstrap: installing the project into .venv (torch takes a minute or two)"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
