@@ -13,13 +13,12 @@ records CUDA events on the stream instead and they are read lazily, after the
 monitor's batched sync, never in the step.
 """
 
-from __future__ import annotations
-
 import threading
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 __all__ = ["CommTimer", "interval_union"]
@@ -58,8 +57,12 @@ class CommTimer:
         self._events: list[tuple[Any, Any]] = []
         self.attached = False
 
-    def hook(self, process_group: Any, bucket: Any) -> torch.futures.Future:
-        """A DDP comm hook: `ddp_model.register_comm_hook(None, timer.hook)`."""
+    def hook(self, process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A DDP comm hook: `ddp_model.register_comm_hook(None, timer.hook)`.
+
+        The annotations are real objects on purpose (no postponed evaluation in
+        this module): DDP checks them against dist.GradBucket and Future[Tensor].
+        """
         on_cuda = bucket.buffer().is_cuda
         if on_cuda:
             start_event = torch.cuda.Event(enable_timing=True)

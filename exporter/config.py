@@ -103,4 +103,3 @@ def _coerce(name: str, f: Any, value: Any) -> Any:
     if not isinstance(value, expected) or isinstance(value, bool) and expected is not bool:
         raise ValueError(f"{name} must be of type {expected.__name__}, got {type(value).__name__} {value!r}")
     return value
-

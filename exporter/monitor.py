@@ -345,4 +345,3 @@ _UNLABELLED = (
 
 def _full(name: str) -> str:
     return name if name.startswith(PREFIX) else PREFIX + name
-

@@ -169,8 +169,9 @@ class ProbeCollector(Collector):
                     family = GaugeMetricFamily(spec.name, spec.help, labels=spec.all_labels)
                     families[sample.metric] = family
                 extra = dict(sample.labels)
-                family.add_metric([*self._identity.values(), *(extra[k] for k in METRICS[sample.metric].labels)],
-                                  sample.value)
+                family.add_metric(
+                    [*self._identity.values(), *(extra[k] for k in METRICS[sample.metric].labels)], sample.value
+                )
         yield from families.values()
 
     def describe(self) -> list[GaugeMetricFamily]:

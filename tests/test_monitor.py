@@ -1,0 +1,175 @@
+"""Monitor: every metric the public API records, asserted on the monitor's own registry."""
+
+import math
+
+import pytest
+import torch
+
+from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity, create_monitor
+
+IDENTITY = RankIdentity(run_id="t1", rank=0, local_rank=0, world_size=1, node="n0")
+LABELS = IDENTITY.labels()
+
+
+def value(monitor, name, **extra):
+    return monitor.registry.get_sample_value(name, {**LABELS, **extra})
+
+
+def make(**config):
+    config.setdefault("base_port", 0)
+    config.setdefault("probes", ("host",))
+    return Monitor(MonitorConfig(**config), IDENTITY, device="cpu")
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("encoder", torch.nn.Linear(4, 8))
+    model.add_module("head", torch.nn.Linear(8, 1))
+    return model
+
+
+def train(monitor, steps, loss_fn=None, lr=0.05):
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    monitor.watch(model, optimizer)
+    batches = [torch.randn(8, 4) for _ in range(steps)]
+    applied = 0
+    for i, batch in enumerate(monitor.data(batches)):
+        with monitor.step(samples=8, tokens=20) as step:
+            loss = model(batch).pow(2).mean()
+            if loss_fn is not None:
+                loss = loss_fn(i, loss)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step.record(loss=loss, grad_norm=norm):
+                optimizer.step()
+                applied += 1
+            optimizer.zero_grad()
+    return model, applied
+
+
+def test_steps_samples_tokens_and_timings_are_counted():
+    monitor = make()
+    train(monitor, 12)
+    assert value(monitor, "rankscope_steps_total") == 12
+    assert value(monitor, "rankscope_samples_total") == 96
+    assert value(monitor, "rankscope_tokens_total") == 240
+    assert value(monitor, "rankscope_step_duration_seconds_count") == 12
+    assert value(monitor, "rankscope_data_wait_seconds_count") == 12
+    assert value(monitor, "rankscope_compute_duration_seconds_count") == 12
+    assert value(monitor, "rankscope_global_step") == 12
+    assert value(monitor, "rankscope_last_step_timestamp_seconds") > 1.6e9
+    step_sum = value(monitor, "rankscope_step_duration_seconds_sum")
+    assert 0 < value(monitor, "rankscope_compute_duration_seconds_sum") <= step_sum
+
+
+def test_loss_grad_norm_and_learning_rate_hold_the_latest_values():
+    monitor = make()
+    train(monitor, 3, lr=0.05)
+    assert value(monitor, "rankscope_loss", split="train") > 0
+    assert value(monitor, "rankscope_grad_norm") > 0
+    assert value(monitor, "rankscope_learning_rate", param_group="0") == pytest.approx(0.05)
+    monitor.record_loss(torch.tensor(0.25))
+    assert value(monitor, "rankscope_loss", split="val") == 0.25
+
+
+def test_module_grad_norms_and_update_ratios_follow_the_interval():
+    monitor = make(module_stats_every_n_steps=5)
+    train(monitor, 4)
+    assert value(monitor, "rankscope_module_grad_norm", module="encoder") is None
+    train(monitor, 2)  # global steps 5..6: step 5 is due
+    for module in ("encoder", "head"):
+        assert value(monitor, "rankscope_module_grad_norm", module=module) > 0
+        assert 0 < value(monitor, "rankscope_update_ratio", module=module) < 1
+
+
+def test_without_the_guard_nonfinite_steps_are_counted_and_one_nan_poisons_every_later_step():
+    monitor = make()
+    model, applied = train(monitor, 6, loss_fn=lambda i, loss: loss * float("nan") if i == 2 else loss)
+    assert applied == 6
+    assert value(monitor, "rankscope_nonfinite_steps_total") == 4  # steps 3..6
+    assert value(monitor, "rankscope_skipped_steps_total") == 0
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_guard_skips_the_update_when_asked_and_the_model_stays_finite():
+    monitor = make(skip_nonfinite=True)
+    model, applied = train(monitor, 6, loss_fn=lambda i, loss: loss * float("inf") if i in (1, 4) else loss)
+    assert applied == 4
+    assert value(monitor, "rankscope_nonfinite_steps_total") == 2
+    assert value(monitor, "rankscope_skipped_steps_total") == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_loss_spikes_are_counted():
+    monitor = make(spike_window=5, spike_ratio=3.0)
+    train(monitor, 12, loss_fn=lambda i, loss: loss * 1000 if i == 9 else loss)
+    assert value(monitor, "rankscope_loss_spikes_total") == 1
+
+
+def test_trainer_metrics_are_recorded_through_set_inc_and_observe():
+    monitor = make()
+    monitor.set("text_padding_ratio", torch.tensor(0.25))
+    monitor.inc("data_skipped_samples_total", 2, reason="missing_file")
+    monitor.observe("text_length_tokens", torch.tensor([3, 5, 40]))
+    monitor.set("rankscope_contrastive_accuracy_ratio", 0.5, split="train", direction="image_to_text")
+    assert value(monitor, "rankscope_text_padding_ratio") == 0.25
+    assert value(monitor, "rankscope_data_skipped_samples_total", reason="missing_file") == 2
+    assert value(monitor, "rankscope_text_length_tokens_count") == 3
+    assert value(monitor, "rankscope_text_length_tokens_bucket", le="4.0") == 1
+    assert value(monitor, "rankscope_contrastive_accuracy_ratio", split="train", direction="image_to_text") == 0.5
+
+
+def test_unknown_metric_or_wrong_labels_are_named():
+    monitor = make()
+    with pytest.raises(KeyError, match="rankscope_nope"):
+        monitor.set("nope", 1.0)
+    with pytest.raises(ValueError, match=r"takes labels \['split'\]"):
+        monitor.set("loss", 1.0)
+
+
+def test_run_info_carries_the_run_facts():
+    monitor = Monitor(MonitorConfig(base_port=0, model_name="clip-tiny", config_hash="abc"), IDENTITY, device="cpu")
+    labels = {
+        **LABELS,
+        "world_size": "1",
+        "node_rank": "0",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "none",
+        "backend": "none",
+        "model": "clip-tiny",
+        "config_hash": "abc",
+    }
+    assert monitor.registry.get_sample_value("rankscope_run_info", labels) == 1
+
+
+def test_a_step_that_raises_is_not_counted_and_the_error_propagates():
+    monitor = make()
+    with pytest.raises(RuntimeError, match="boom"), monitor.step(samples=4):
+        raise RuntimeError("boom")
+    assert value(monitor, "rankscope_steps_total") == 0
+
+
+def test_set_step_continues_counting_after_a_resume():
+    monitor = make()
+    monitor.set_step(100)
+    with monitor.step() as step:
+        assert step.index == 101
+    assert value(monitor, "rankscope_global_step") == 101
+
+
+def test_counters_exist_at_zero_before_anything_happens():
+    monitor = make()
+    for name in ("rankscope_nonfinite_steps_total", "rankscope_loss_spikes_total", "rankscope_steps_total"):
+        assert value(monitor, name) == 0
+    assert value(monitor, "rankscope_monitor_errors_total", probe="host") == 0
+
+
+def test_disabled_monitoring_is_a_null_sink_with_the_same_calls():
+    monitor = create_monitor(MonitorConfig(enabled=False))
+    assert isinstance(monitor, NullMonitor)
+    for _batch in monitor.data([1, 2]):
+        with monitor.step(samples=1) as step:
+            assert step.record(loss=math.nan, grad_norm=1.0)
+    assert monitor.global_step == 2
