@@ -1,0 +1,395 @@
+"""prometheus/: the configuration, the generated rules and their promtool unit tests.
+
+Everything is checked with the real `promtool` (Debian package `prometheus`, installed by
+scripts/bootstrap.sh); a missing binary is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import urllib.parse
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exporter.contract import IDENTITY_LABELS, METRICS, MetricKind
+from tests.support import fetch, stop_process, tail, torchrun, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+PROM = REPO / "prometheus"
+RULES = PROM / "rules"
+RULE_FILES = sorted(RULES.glob("*.yml"))
+UNIT_TEST_FILES = sorted((PROM / "tests").glob("*_test.yml"))
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+
+def _load_generator():
+    # prometheus/ is not a package: load the script as a module.
+    spec = importlib.util.spec_from_file_location("generate_rules", PROM / "generate_rules.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+
+def promtool(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("promtool")
+    if exe is None:
+        pytest.fail("promtool is not on PATH: run scripts/bootstrap.sh (Debian package 'prometheus')")
+    return subprocess.run([exe, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"{' '.join(result.args)} failed:\n{result.stdout}\n{result.stderr}"
+
+
+def _rules(kind: str) -> list[dict]:
+    document = yaml.safe_load((RULES / ("alerts.yml" if kind == "alert" else "recording.yml")).read_text())
+    return [rule for group in document["groups"] for rule in group["rules"]]
+
+
+ALERT_RULES = _rules("alert")
+RECORDING_RULES = _rules("record")
+RECORDED = {rule["record"] for rule in RECORDING_RULES}
+
+
+@functools.cache
+def _unit_tests() -> list[dict]:
+    return [case for path in UNIT_TEST_FILES for case in yaml.safe_load(path.read_text())["tests"]]
+
+
+# --- files and configuration --------------------------------------------------------------
+
+
+def test_committed_rule_files_equal_the_generator_output():
+    for name, text in gen.render(gen.Tunables()).items():
+        assert (RULES / name).read_text() == text, f"{name} is stale: run python prometheus/generate_rules.py"
+    assert {p.name for p in RULE_FILES} == set(gen.render(gen.Tunables()))
+
+
+def test_generator_check_mode_reports_stale_files(tmp_path):
+    assert gen.main(["--out", str(RULES), "--check"]) == 0
+    assert gen.main(["--out", str(tmp_path), "--check"]) == 1
+
+
+def test_promtool_accepts_the_compose_configuration_and_its_rule_files():
+    result = promtool("check", "config", PROM / "prometheus.yml")
+    assert_ok(result)
+    assert "2 rule files found" in result.stdout
+
+
+def test_promtool_accepts_the_rule_files():
+    assert_ok(promtool("check", "rules", *RULE_FILES))
+
+
+def test_promtool_unit_tests_pass():
+    assert_ok(promtool("test", "rules", *UNIT_TEST_FILES))
+
+
+def test_every_rankscope_scrape_job_honors_the_exporters_labels():
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["rankscope"]["honor_labels"] is True
+    assert {"prometheus", "alertmanager"} <= set(jobs)
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    for example in ("file_sd.yml", "kubernetes_pods.yml"):
+        for job in yaml.safe_load((PROM / "examples" / example).read_text()):
+            assert job["honor_labels"] is True, example
+
+
+def test_the_scrape_examples_are_valid_prometheus_configuration(tmp_path):
+    # A full configuration around the example jobs, with the file_sd glob pointed at the example
+    # target file so promtool validates that too. Debian's Prometheus is built without Kubernetes
+    # discovery, so the pod job is checked (relabelling included) with its discovery swapped for
+    # a static target.
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    file_sd = yaml.safe_load((PROM / "examples" / "file_sd.yml").read_text())
+    file_sd[0]["file_sd_configs"][0]["files"] = [str(PROM / "examples" / "targets" / "*.json")]
+    pods = yaml.safe_load((PROM / "examples" / "kubernetes_pods.yml").read_text())
+    assert [sd["role"] for sd in pods[0].pop("kubernetes_sd_configs")] == ["pod"]
+    pods[0]["static_configs"] = [{"targets": ["10.0.0.1:9400"]}]
+    config["scrape_configs"] = file_sd + pods
+    config["rule_files"] = [str(path) for path in RULE_FILES]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = promtool("check", "config", path)
+    assert_ok(result)
+
+
+def test_the_target_file_example_has_the_identity_labels_the_trainer_writes():
+    groups = json.loads((PROM / "examples" / "targets" / "rankscope-demo.json").read_text())
+    assert groups
+    for group in groups:
+        assert len(group["targets"]) == 1 and re.match(r"^[\w.-]+:94\d\d$", group["targets"][0])
+        assert set(group["labels"]) == set(IDENTITY_LABELS)
+
+
+def test_the_podmonitor_example_keeps_identity_labels_and_rank_ports_only():
+    monitor = yaml.safe_load((PROM / "examples" / "podmonitor.yaml").read_text())
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["honorLabels"] is True
+    keep = [r for r in endpoint["relabelings"] if r["action"] == "keep"]
+    assert keep[0]["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    assert re.fullmatch(keep[0]["regex"], "rankscope-3") and not re.fullmatch(keep[0]["regex"], "http")
+
+
+# --- rules against the metric contract ----------------------------------------------------
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def _names_in(expr: str) -> set[str]:
+    return set(_IDENT.findall(_QUOTED.sub("", expr)))
+
+
+def _series_names() -> set[str]:
+    return {series for spec in METRICS.values() for series in spec.series_names}
+
+
+@pytest.mark.parametrize("rule", ALERT_RULES + RECORDING_RULES, ids=lambda r: r.get("alert") or r["record"])
+def test_every_metric_a_rule_reads_exists_in_the_contract_or_is_recorded(rule):
+    names = _names_in(rule["expr"])
+    unknown = {n for n in names if n.startswith("rankscope_") and n not in _series_names()}
+    assert not unknown, f"not in exporter.contract: {sorted(unknown)}"
+    unrecorded = {n for n in names if ":" in n and n not in RECORDED}
+    assert not unrecorded, f"no recording rule produces {sorted(unrecorded)}"
+
+
+def test_the_name_check_sees_histogram_series_and_ignores_label_values():
+    names = _names_in('sum(rate(rankscope_step_duration_seconds_bucket{split="rankscope_fake"}[2m]))')
+    assert "rankscope_step_duration_seconds_bucket" in names and "rankscope_fake" not in names
+    assert "rankscope_step_duration_seconds_bucket" in _series_names()
+
+
+@pytest.mark.parametrize("record", sorted(RECORDED))
+def test_recorded_series_are_named_level_metric_operation_after_a_contract_metric(record):
+    level, metric, operation = record.split(":")
+    assert level in ("run", "run_rank") and operation
+    bases = {spec.name for spec in METRICS.values()}
+    bases |= {spec.name.removesuffix("_total") for spec in METRICS.values() if spec.kind is MetricKind.COUNTER}
+    assert metric in bases
+
+
+# --- alert conventions --------------------------------------------------------------------
+
+
+def _runbook_anchors() -> list[str]:
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens.
+    headings = re.findall(r"^#{2,3} (.+)$", RUNBOOK.read_text(), flags=re.M)
+    return [re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings]
+
+
+@pytest.mark.parametrize("rule", ALERT_RULES, ids=lambda r: r["alert"])
+def test_every_alert_has_severity_summary_description_and_its_own_runbook_section(rule):
+    labels, annotations = rule["labels"], rule["annotations"]
+    assert labels["severity"] in gen.SEVERITIES
+    assert labels.get("action", "checkpoint") in gen.ACTIONS
+    assert annotations["summary"] and "{{" not in annotations["summary"]
+    assert "$labels.run_id" in annotations["description"]
+    url, _, anchor = annotations["runbook_url"].partition("#")
+    assert url.endswith("docs/runbook.md") and anchor == rule["alert"].lower()
+    assert _runbook_anchors().count(anchor) == 1
+
+
+def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
+    alerts = {rule["alert"].lower() for rule in ALERT_RULES}
+    assert set(_runbook_anchors()) - alerts == {"severities"}
+
+
+def test_alerts_that_name_a_rank_keep_the_rank_label_and_name_it():
+    for rule in ALERT_RULES:
+        if "$labels.rank" in rule["annotations"]["description"]:
+            # The rank can only be templated if the expression keeps it.
+            assert "rank" in rule["expr"], rule["alert"]
+
+
+# --- unit-test coverage -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alert", [rule["alert"] for rule in ALERT_RULES])
+def test_every_alert_has_unit_tests_showing_it_firing_and_silent(alert):
+    cases = [c for test in _unit_tests() for c in test.get("alert_rule_test", []) if c["alertname"] == alert]
+    assert any(c.get("exp_alerts") for c in cases), f"no promtool case shows {alert} firing"
+    assert any(not c.get("exp_alerts") for c in cases), f"no promtool case shows {alert} silent"
+
+
+@pytest.mark.parametrize("record", sorted(RECORDED))
+def test_every_recording_rule_has_unit_tests_showing_it_present_and_absent(record):
+    pattern = re.compile(rf"(?<![\w:]){re.escape(record)}(?![\w:])")
+    cases = [c for test in _unit_tests() for c in test.get("promql_expr_test", []) if pattern.search(c["expr"])]
+    assert any(c.get("exp_samples") for c in cases), f"no promtool case shows {record} with a value"
+    assert any(not c.get("exp_samples") for c in cases), f"no promtool case shows {record} absent"
+
+
+def _run_unit_tests_against(variant: gen.Tunables, alert: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """promtool's tests for `alert`, run against rules generated from `variant`."""
+    for name, text in gen.render(variant).items():
+        (tmp_path / "rules").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "rules" / name).write_text(text)
+    (tmp_path / "tests").mkdir()
+    copies = []
+    for path in UNIT_TEST_FILES:
+        if f"alertname: {alert}\n" in path.read_text():
+            copies.append(tmp_path / "tests" / path.name)
+            shutil.copy(path, copies[-1])
+    assert copies, f"no unit test file mentions {alert}"
+    return promtool("test", "rules", *copies)
+
+
+def _changed_alert(variant: gen.Tunables) -> str:
+    changed = [a.name for a, b in zip(gen.alerts(gen.Tunables()), gen.alerts(variant), strict=True) if a != b]
+    assert len(changed) == 1, changed
+    return changed[0]
+
+
+FOR_FIELDS = [
+    f.name for f in fields(gen.Tunables) if f.name.endswith("_for") and getattr(gen.Tunables(), f.name) != "0s"
+]
+
+
+@pytest.mark.parametrize("name", FOR_FIELDS)
+def test_a_for_one_evaluation_shorter_makes_its_unit_tests_fail(name, tmp_path):
+    # The unit tests evaluate every minute; each alert's tests must pin its `for` exactly.
+    minutes = re.fullmatch(r"(\d+)m", getattr(gen.Tunables(), name))
+    assert minutes, f"{name}: defaults are whole minutes so the tests can pin them"
+    shorter = f"{int(minutes.group(1)) - 1}m"
+    variant = gen.apply_overrides(gen.Tunables(), [f"{name}={shorter}"])
+    result = _run_unit_tests_against(variant, _changed_alert(variant), tmp_path)
+    assert result.returncode != 0, f"tests still pass with {name}={shorter}:\n{result.stdout}"
+
+
+def test_one_more_allowed_non_finite_step_makes_its_unit_tests_fail(tmp_path):
+    variant = gen.apply_overrides(gen.Tunables(), ["nonfinite_steps=3"])
+    assert _run_unit_tests_against(variant, _changed_alert(variant), tmp_path).returncode != 0
+    variant = gen.apply_overrides(gen.Tunables(), ["nonfinite_steps=1"])
+    assert _run_unit_tests_against(variant, _changed_alert(variant), tmp_path / "fewer").returncode != 0
+
+
+# --- overrides (how the end-to-end tests get fast rules) --------------------------------------
+
+
+def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
+    code = gen.main(
+        ["--out", str(tmp_path), "--set", "imbalance_ratio=1.3", "--set", "*_for=2s", "--set", "rate_window=10s"]
+    )
+    assert code == 0
+    alerts = yaml.safe_load((tmp_path / "alerts.yml").read_text())["groups"][0]["rules"]
+    imbalance = next(rule for rule in alerts if rule["alert"] == "RankscopeRankImbalance")
+    assert imbalance["expr"].endswith("> 1.3")
+    assert {rule.get("for") for rule in alerts} == {"2s"}
+    assert "[10s]" in (tmp_path / "recording.yml").read_text()
+    assert_ok(promtool("check", "rules", tmp_path / "recording.yml", tmp_path / "alerts.yml"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("imbalance_ratio=abc", "imbalance_ratio must be a number"),
+        ("imbalance_ratio=0.9", "imbalance_ratio must be greater than 1"),
+        ("host_memory_ratio=85", "host_memory_ratio must be between 0 and 1"),
+        ("host_memory_for=5 minutes", "host_memory_for must be a Prometheus duration"),
+        ("no_such_knob=1", "no tunable matches 'no_such_knob'"),
+        ("imbalance_ratio", "--set expects NAME=VALUE"),
+        ("device_memory_kind=free", "device_memory_kind must be allocated, reserved or peak"),
+    ],
+)
+def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):
+    assert gen.main(["--out", str(tmp_path), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+# --- a real Prometheus, a real 2-rank run ----------------------------------------------------
+
+
+def _query(url: str, expr: str) -> list[dict]:
+    body = json.loads(fetch(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.integration
+def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_then_sees_its_ranks_go_down(
+    tmp_path, free_port, free_port_block
+):
+    # The shipped configuration and rules; only intervals, windows, `for`s and addresses changed
+    # (as the end-to-end tests do). The job's rank 1 sleeps 20 ms in every step's compute.
+    base = free_port_block(2)
+    assert gen.main(["--out", str(tmp_path / "rules"), "--set", "rate_window=5s", "--set", "*_for=0s"]) == 0
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(tmp_path / "rules" / "recording.yml"), str(tmp_path / "rules" / "alerts.yml")]
+    del config["alerting"]
+    config["scrape_configs"] = [job for job in config["scrape_configs"] if job["job_name"] == "rankscope"]
+    config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port, prom_log, job_log, out = free_port(), tmp_path / "prometheus.log", tmp_path / "torchrun.log", tmp_path / "job"
+    out.mkdir()
+    url = f"http://127.0.0.1:{port}"
+    exe = shutil.which("prometheus") or pytest.fail("prometheus is not on PATH: run scripts/bootstrap.sh")
+    with prom_log.open("w") as log:
+        prometheus = subprocess.Popen(
+            [
+                exe,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    job = None
+
+    def diagnose() -> str:
+        seen = {
+            expr: _query(url, expr) for expr in ("up", "ALERTS", "run_rank:rankscope_compute_duration_seconds:mean")
+        }
+        return f"prometheus saw {json.dumps(seen)}\n--- prometheus log\n{tail(prom_log)}\n--- job log\n{tail(job_log)}"
+
+    try:
+        wait_for(lambda: fetch(f"{url}/-/ready") is not None, 30, "prometheus to be ready", lambda: tail(prom_log))
+        job = torchrun(
+            2,
+            ["tests/jobs/exporter_job.py", "--base-port", str(base), "--out", str(out)]
+            + ["--steps", "600", "--slow-rank", "1", "--slow-seconds", "0.02"],
+            master_port=free_port(),
+            extra_env={"RANKSCOPE_RUN_ID": "rules-it"},
+            log=job_log,
+        )
+        straggler = wait_for(
+            lambda: _query(url, 'run:rankscope_compute_duration_seconds:straggler_ratio{run_id="rules-it"}'),
+            120,
+            "the straggler series",
+            diagnose,
+        )
+        assert [s["metric"]["rank"] for s in straggler] == ["1"], straggler
+        firing = 'ALERTS{alertname="RankscopeRankImbalance", alertstate="firing", run_id="rules-it"}'
+        alert = wait_for(lambda: _query(url, firing), 60, "the imbalance alert", diagnose)
+        assert [a["metric"]["rank"] for a in alert] == ["1"] and alert[0]["metric"]["severity"] == "page"
+
+        wait_for(lambda: all((out / f"rank{r}.ready").exists() for r in (0, 1)), 120, "the job's steps", diagnose)
+        (out / "stop").touch()
+        assert job.wait(timeout=60) == 0, tail(job_log)
+        down = 'ALERTS{alertname="RankscopeRankDown", alertstate="firing", run_id="rules-it"}'
+        alerts = wait_for(lambda: len(_query(url, down)) == 2 and _query(url, down), 30, "rank-down alerts", diagnose)
+        assert sorted(a["metric"]["rank"] for a in alerts) == ["0", "1"]
+    finally:
+        if job is not None:
+            (out / "stop").touch()
+            stop_process(job)
+        stop_process(prometheus)
