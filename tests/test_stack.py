@@ -1,0 +1,176 @@
+"""trainer.stack: the no-Docker stack launcher (`make demo`).
+
+The derived configs are checked with the real promtool and amtool; the
+launcher itself is started for real (Prometheus, Alertmanager, torchrun with
+two ranks), polled until Prometheus scrapes both ranks, then stopped with
+SIGINT, after which none of its processes may be left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from trainer.stack import INSTALL_HINT, Ports, derive_alertmanager_config, derive_prometheus_config
+
+REPO = Path(__file__).resolve().parent.parent
+PROMETHEUS_YML = REPO / "prometheus" / "prometheus.yml"
+ALERTMANAGER_YML = REPO / "alertmanager" / "alertmanager.yml"
+
+
+def _launch(args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the launcher to an early exit (its checks fail before anything starts)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("run: {max_steps: 1}\n")
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.stack", "--run-dir", str(tmp_path / "stack"), "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_derived_prometheus_config_scrapes_each_local_rank_and_passes_promtool(tmp_path):
+    ports = Ports(prometheus=19090, alertmanager=19093, metrics=19400, control=19300)
+    derived = derive_prometheus_config(
+        yaml.safe_load(PROMETHEUS_YML.read_text()), ports=ports, nproc=3, config_dir=PROMETHEUS_YML.parent
+    )
+    text = yaml.safe_dump(derived)
+    assert "trainer:" not in text and "alertmanager:9093" not in text
+    targets = {t for job in derived["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert {"127.0.0.1:19400", "127.0.0.1:19401", "127.0.0.1:19402", "127.0.0.1:19090"} <= targets
+    assert derived["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:19093"]
+    assert all(Path(rule).is_absolute() and Path(rule).exists() for rule in derived["rule_files"])
+    # Everything but addresses is the repository's file as it is.
+    original = yaml.safe_load(PROMETHEUS_YML.read_text())
+    assert derived["global"] == original["global"]
+    assert [j["job_name"] for j in derived["scrape_configs"]] == [j["job_name"] for j in original["scrape_configs"]]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(text)
+    result = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_derived_alertmanager_config_calls_the_local_trainer_with_the_token_and_passes_amtool(tmp_path):
+    token = tmp_path / "control-token"
+    token.write_text("secret\n")
+    original = yaml.safe_load(ALERTMANAGER_YML.read_text())
+    derived = derive_alertmanager_config(original, ports=Ports(control=19300, pager=19095), token_file=token)
+    hooks = {r["name"]: r.get("webhook_configs", []) for r in derived["receivers"]}
+    assert hooks["trainer-control"][0]["url"] == "http://127.0.0.1:19300/v1/alerts"
+    assert hooks["trainer-control"][0]["http_config"]["authorization"]["credentials_file"] == str(token)
+    assert hooks["pager"][0]["url"].startswith("http://127.0.0.1:19095/")
+    assert derived["route"] == original["route"]
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(derived))
+    result = subprocess.run(["amtool", "check-config", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_without_a_pager_port_the_pager_address_is_left_alone():
+    derived = derive_alertmanager_config(
+        yaml.safe_load(ALERTMANAGER_YML.read_text()), ports=Ports(), token_file=Path("/t")
+    )
+    (pager,) = [r for r in derived["receivers"] if r["name"] == "pager"]
+    assert "pager:" in pager["webhook_configs"][0]["url"]
+
+
+def test_missing_binaries_get_one_line_saying_how_to_install_them(tmp_path):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    result = _launch([], tmp_path, env={**os.environ, "PATH": str(empty_bin)})
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "prometheus and prometheus-alertmanager not found" in result.stderr
+    assert INSTALL_HINT in result.stderr and "apt-get install prometheus prometheus-alertmanager" in INSTALL_HINT
+
+
+def test_a_port_in_use_is_named_with_the_flag_that_changes_it(tmp_path, free_port):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _launch(["--prometheus-port", str(port), "--alertmanager-port", str(free_port())], tmp_path)
+    assert result.returncode == 1
+    assert f"port {port} (prometheus) is already in use; choose another with --prometheus-port" in result.stderr
+
+
+def test_bad_options_are_rejected_with_the_option_named(tmp_path):
+    result = _launch(["--nproc", "0"], tmp_path)
+    assert result.returncode == 2 and "--nproc must be >= 1, got 0" in result.stderr
+    result = _launch(["--config", str(tmp_path / "missing.yaml")], tmp_path)
+    assert result.returncode == 2 and "missing.yaml is not a file" in result.stderr
+
+
+def _rank_targets(prometheus_port: int) -> list[dict]:
+    url = f"http://127.0.0.1:{prometheus_port}/api/v1/targets"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        targets = json.load(response)["data"]["activeTargets"]
+    return [t for t in targets if t["labels"]["job"] == "rankscope"]
+
+
+@pytest.mark.integration
+def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(tmp_path, free_port, free_port_block):
+    ports = {
+        "--prometheus-port": free_port(),
+        "--alertmanager-port": free_port(),
+        "--control-port": free_port(),
+        "--metrics-port": free_port_block(2),
+    }
+    argv = [sys.executable, "-m", "trainer.stack", "--run-dir", str(tmp_path / "stack"), "--nproc", "2"]
+    argv += ["--steps", "100000", *(str(x) for kv in ports.items() for x in kv)]
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    started: list[psutil.Process] = []
+    try:
+        deadline, last = time.monotonic() + 300, []
+        while time.monotonic() < deadline:
+            assert launcher.poll() is None, f"launcher exited early:\n{log_path.read_text()[-4000:]}"
+            try:
+                last = _rank_targets(ports["--prometheus-port"])
+            except OSError:
+                last = []
+            if len(last) == 2 and all(t["health"] == "up" for t in last):
+                break
+            time.sleep(1)  # poll interval of the Prometheus API
+        else:
+            pytest.fail(f"ranks never up in Prometheus; targets {last}\nlauncher:\n{log_path.read_text()[-4000:]}")
+
+        started = psutil.Process(launcher.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in started)
+        assert (
+            "prometheus-alertmanager" in names and "--storage.tsdb.path" in names and "torch.distributed.run" in names
+        )
+        assert sum("-m trainer" in " ".join(p.cmdline()) for p in started) >= 3  # torchrun + 2 ranks
+        token = tmp_path / "stack" / "control-token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+        os.kill(launcher.pid, signal.SIGINT)
+        assert launcher.wait(timeout=120) == 0, log_path.read_text()[-4000:]
+        _, alive = psutil.wait_procs(started, timeout=10)
+        assert not alive, f"still running after SIGINT: {[p.cmdline() for p in alive]}"
+        # Ctrl-C went through the control endpoint: the trainer checkpointed before it stopped.
+        records = [json.loads(line) for line in (tmp_path / "stack" / "log.jsonl").read_text().splitlines()]
+        reasons = [r.get("reason", "") for r in records if r.get("type") == "checkpoint"]
+        assert any(reason.startswith("stop:") for reason in reasons), records[-3:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for proc in started:
+            if proc.is_running():
+                proc.kill()
