@@ -71,7 +71,10 @@ class StepContext:
     def record(self, loss: Value | None = None, grad_norm: Value | None = None) -> bool:
         """Record loss and total gradient norm (pass what `clip_grad_norm_` returned:
         the norm before clipping). Returns whether to apply the optimizer update:
-        False only when `skip_nonfinite` is on and a value was NaN/inf on any rank."""
+        False only when `skip_nonfinite` is on and a value was NaN/inf on any rank.
+
+        May also be called after the block closed, when the values arrive later
+        (e.g. from a framework's logs); they then describe that earlier step."""
         return self._monitor._record_step_values(self, loss, grad_norm)
 
 
@@ -173,7 +176,9 @@ class Monitor:
             yield item
 
     def record_data_wait(self, seconds: float) -> None:
-        """For loops that fetch batches themselves: time blocked on the next batch."""
+        """For loops that fetch batches themselves: time blocked on the next batch.
+
+        Call before `step()`; the wait counts towards that step's duration."""
         self._data_wait = seconds
         self.instruments.child(PREFIX + "data_wait_seconds").observe(seconds)
 
@@ -181,13 +186,17 @@ class Monitor:
     def step(self, samples: int = 0, tokens: int = 0) -> Iterator[StepContext]:
         """One training step. The step's duration runs from the start of this
         iteration's data fetch (if `data()` is used) to the end of the block."""
-        started = self._iteration_start if self._iteration_start is not None else time.perf_counter()
+        # With data(), the iteration began when the fetch began; otherwise the wait
+        # reported through record_data_wait() is added to the block's duration.
+        fetched_by_data = self._iteration_start is not None
+        started = self._iteration_start if fetched_by_data else time.perf_counter()
         context = StepContext(self, self.global_step + 1)
         if self._modules is not None:
             self._modules.begin_step(context.index)
         yield context
         # Only a block that completed counts as a step; an exception propagates untouched.
-        self._finish_step(context, time.perf_counter() - started, samples, tokens)
+        seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._data_wait)
+        self._finish_step(context, seconds, samples, tokens)
 
     def set_step(self, step: int) -> None:
         """Continue counting from `step` (after resuming from a checkpoint)."""

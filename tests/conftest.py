@@ -50,3 +50,86 @@ def free_port() -> Callable[[], int]:
 def free_port_block() -> Callable[[int], int]:
     """Call with n to get a base port whose n consecutive ports are free (one per rank)."""
     return _free_port_block
+
+
+# --- control endpoint (exporter.control) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def control_job(tmp_path_factory):
+    """Call with ControlConfig settings to start tests/jobs/control_job.py on 2 ranks under torchrun
+    (a tests.jobs.control_job.ControlJob); every job started is ended at the module's teardown."""
+    from tests.jobs.control_job import ControlJob
+
+    jobs = []
+
+    def start(control: dict | None = None, pg_timeout: float = 3.0) -> ControlJob:
+        job = ControlJob(tmp_path_factory.mktemp("control_job"), _free_port(), _free_port(), control, pg_timeout)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+@pytest.fixture
+def wsgi_call():
+    """Call a WSGI app in-process, no socket: wsgi_call(app, method, path, body=None, headers=None)
+    -> (status code, headers dict, decoded JSON body). `body` may be bytes or a JSON-able value."""
+    import io
+    import json
+
+    def call(app, method: str, path: str, body=None, headers: dict | None = None):
+        raw = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+        environ = {
+            "REQUEST_METHOD": method,
+            "PATH_INFO": path,
+            "QUERY_STRING": "",
+            "SERVER_NAME": "test",
+            "SERVER_PORT": "0",
+            "wsgi.input": io.BytesIO(raw),
+            "CONTENT_TYPE": "application/json",
+        }
+        if method == "POST":
+            environ["CONTENT_LENGTH"] = str(len(raw))
+        for name, value in (headers or {}).items():
+            key = name.upper().replace("-", "_")
+            if value is None:
+                environ.pop(key, None)
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                environ[key] = value
+            else:
+                environ["HTTP_" + key] = value
+        answer = {}
+
+        def start_response(status, response_headers):
+            answer["status"] = int(status.split()[0])
+            answer["headers"] = dict(response_headers)
+
+        payload = b"".join(app(environ, start_response))
+        return answer["status"], answer["headers"], json.loads(payload)
+
+    return call
+
+
+# --- the reference trainer (trainer/) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_job(tmp_path_factory):
+    """Call with (name, settings=[--set overrides], resume=..., max_restarts=..., checkpoint_dir=...) to start
+    `torchrun -m trainer` on 2 ranks with trainer/configs/test.yaml (a tests.jobs.trainer_job.TrainerJob);
+    every job started is ended at the module's teardown."""
+    from tests.jobs.trainer_job import TrainerJob
+
+    jobs = []
+
+    def start(name: str, settings=(), **kwargs) -> TrainerJob:
+        job = TrainerJob(tmp_path_factory.mktemp(name), _free_port(), _free_port_block(2), settings, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()

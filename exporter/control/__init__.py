@@ -1,0 +1,51 @@
+"""rankscope's control endpoint: alerts and operators act on a running job, on every rank at the same step.
+
+    from exporter.control import ControlChannel, ControlConfig
+
+    channel = ControlChannel(ControlConfig(token_file="/run/secrets/control"), monitor,
+                             optimizer=optimizer, scheduler=scheduler)   # every rank
+    ...
+    channel.at_step_boundary(step, handler)   # every rank, every step
+    ...
+    channel.close()
+
+`handler` is the loop's: `checkpoint(reason)` and `request_stop(reason)`.
+Routes (rank 0): POST /v1/alerts (Alertmanager webhook v4), POST /v1/actions,
+GET /v1/status, GET /healthz; see openapi.yaml beside this file.
+
+Public API: :class:`ControlChannel`, :class:`ControlConfig`,
+:class:`ControlHandler`, :class:`ControlStartError`, :class:`ControlPortInUse`,
+:func:`record_checkpoint`, :data:`ACTIONS`, :data:`RESULTS`, and for embedding
+the endpoint elsewhere :func:`create_app` / :class:`AppDeps` /
+:func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`.
+"""
+
+from __future__ import annotations
+
+from .actions import ACTIONS, RESULTS
+from .app import AppDeps, create_app
+from .channel import ControlChannel, ControlHandler, ControlStartError
+from .config import ControlConfig, load_token
+from .lr import scale_learning_rates
+from .metrics import record_checkpoint
+from .server import ControlPortInUse, ControlServer, serve_control
+from .state import ActionQueue, RunSnapshot
+
+__all__ = [
+    "ACTIONS",
+    "RESULTS",
+    "ActionQueue",
+    "AppDeps",
+    "ControlChannel",
+    "ControlConfig",
+    "ControlHandler",
+    "ControlPortInUse",
+    "ControlServer",
+    "ControlStartError",
+    "RunSnapshot",
+    "create_app",
+    "load_token",
+    "record_checkpoint",
+    "scale_learning_rates",
+    "serve_control",
+]

@@ -1,0 +1,43 @@
+"""The two small collectives of the control channel, on its own gloo group.
+
+Why gloo and CPU tensors: the control group never touches the accelerator, so
+a step boundary costs no device synchronisation even when training uses NCCL,
+and a paused job keeps no NCCL collective in flight for the watchdog to kill.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agree_on_worst", "broadcast_json"]
+
+
+def broadcast_json(value: Any, group: Any, rank: int) -> Any:
+    """Rank 0's `value` (JSON-able; None sends nothing), returned on every rank of `group`.
+
+    Two broadcasts: the length (one int64), then the UTF-8 bytes; an empty
+    payload (the common case: nothing pending) costs just the first. JSON, not
+    pickle, so nothing received can execute code.
+    """
+    data = json.dumps(value, separators=(",", ":")).encode("utf-8") if rank == 0 and value is not None else b""
+    header = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    size = int(header.item())
+    if size == 0:
+        return None
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(size, dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, group=group)
+    # Rank 0 decodes its own bytes too, so every rank holds an identical value.
+    return json.loads((data if rank == 0 else bytes(buffer.tolist())).decode("utf-8"))
+
+
+def agree_on_worst(codes: list[int], group: Any) -> list[int]:
+    """Element-wise maximum of every rank's `codes` (one int64 all-reduce), so every rank
+    learns whether any rank failed."""
+    tensor = torch.tensor(codes, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [int(code) for code in tensor.tolist()]

@@ -1,0 +1,79 @@
+"""Cooldowns and caps: how often an action may be applied.
+
+Decided by rank 0 alone, at the step boundary, before the action is
+broadcast: a refused action never reaches the other ranks, so they cannot
+disagree about it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import ControlConfig
+
+__all__ = ["ActionLimits", "Limit"]
+
+
+@dataclass(frozen=True)
+class Limit:
+    cooldown_steps: int = 0
+    """Steps after an applied action during which the next is refused."""
+    cooldown_seconds: float = 0.0
+    """Seconds after an applied action during which the next is refused."""
+    cap: int = 0
+    """Most applications per run (0 = no cap)."""
+
+
+class ActionLimits:
+    """Per-action cooldowns and caps, counted over applied actions only.
+
+    Used by rank 0's training thread only (decisions are made at the step
+    boundary), so it needs no lock. `clock` is monotonic; tests pass a fake.
+    """
+
+    def __init__(self, limits: dict[str, Limit], clock: Callable[[], float] = time.monotonic) -> None:
+        self._limits = limits
+        self._clock = clock
+        self._applied: dict[str, int] = {}
+        self._last: dict[str, tuple[int, float]] = {}
+
+    @classmethod
+    def from_config(cls, config: ControlConfig, clock: Callable[[], float] = time.monotonic) -> ActionLimits:
+        return cls(
+            {
+                "reduce_lr": Limit(config.lr_cooldown_steps, config.lr_cooldown_seconds, config.lr_max_reductions),
+                "checkpoint": Limit(config.checkpoint_cooldown_steps, config.checkpoint_cooldown_seconds),
+            },
+            clock,
+        )
+
+    def check(self, action: str, step: int) -> tuple[str, str] | None:
+        """None if `action` may run at `step`, else (result, one-line detail)."""
+        limit = self._limits.get(action)
+        if limit is None:
+            return None
+        count = self._applied.get(action, 0)
+        if limit.cap and count >= limit.cap:
+            return "refused_cap", f"{action} reached its cap of {limit.cap} applications"
+        if action in self._last:
+            last_step, last_time = self._last[action]
+            if step - last_step < limit.cooldown_steps:
+                return "refused_cooldown", (
+                    f"{action} applied at step {last_step}; cooldown is {limit.cooldown_steps} steps"
+                )
+            elapsed = self._clock() - last_time
+            if elapsed < limit.cooldown_seconds:
+                return "refused_cooldown", (
+                    f"{action} applied {elapsed:.1f}s ago; cooldown is {limit.cooldown_seconds:g}s"
+                )
+        return None
+
+    def record(self, action: str, step: int) -> None:
+        """Note that `action` was applied at `step` (now)."""
+        self._applied[action] = self._applied.get(action, 0) + 1
+        self._last[action] = (step, self._clock())
+
+    def applied(self, action: str) -> int:
+        return self._applied.get(action, 0)

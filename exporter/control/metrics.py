@@ -1,0 +1,39 @@
+"""Recording the control loop's metrics (declared in exporter.contract).
+
+Checkpoints are written by the training loop, not by the channel (it also
+checkpoints on an interval and at the end), so the loop records each
+completed checkpoint with :func:`record_checkpoint`, whatever asked for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..contract import PREFIX
+
+__all__ = ["CHECKPOINT_REASONS", "checkpoint_reason_label", "record_checkpoint"]
+
+#: Bounded values of the `reason` label of rankscope_checkpoints_total.
+CHECKPOINT_REASONS: tuple[str, ...] = ("interval", "alert", "operator", "stop", "final", "other")
+
+
+def checkpoint_reason_label(reason: str) -> str:
+    """The label for a checkpoint reason: its kind before ':' ("alert:HighLoss" -> "alert")."""
+    kind = reason.split(":", 1)[0]
+    return kind if kind in CHECKPOINT_REASONS else "other"
+
+
+def record_checkpoint(monitor: Any, reason: str, seconds: float, finished_at: float | None = None) -> None:
+    """Count one completed checkpoint: checkpoints_total{reason}, its duration, and its time.
+
+    `monitor` is a Monitor (a NullMonitor, or None, records nothing).
+    """
+    instruments = getattr(monitor, "instruments", None)
+    if instruments is None:
+        return
+    instruments.child(PREFIX + "checkpoints_total", reason=checkpoint_reason_label(reason)).inc()
+    instruments.child(PREFIX + "checkpoint_duration_seconds").observe(seconds)
+    instruments.child(PREFIX + "last_checkpoint_timestamp_seconds").set(
+        time.time() if finished_at is None else finished_at
+    )

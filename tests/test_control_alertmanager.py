@@ -1,0 +1,119 @@
+"""A real Alertmanager delivers an `action=reduce_lr` alert to a real 2-rank job's control endpoint.
+
+The repo's alertmanager/alertmanager.yml is used as it is, except for the
+trainer's address, the token file's path and short intervals on the trainer
+route, so Alertmanager repeats its notification every couple of seconds. The
+learning rate must halve once, on both ranks, however often it is repeated.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import requests
+import yaml
+
+from tests.support import REPO, fetch, sample_value, samples, stop_process, tail, wait_for
+
+pytestmark = pytest.mark.integration
+
+ALERT_NAME = "RankscopeLossPlateau"
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not on PATH: run scripts/bootstrap.sh (Debian package 'prometheus-alertmanager')")
+    return path
+
+
+def _alertmanager_config(job, path) -> None:
+    config = yaml.safe_load((REPO / "alertmanager" / "alertmanager.yml").read_text())
+    receiver = next(r for r in config["receivers"] if r["name"] == "trainer-control")
+    webhook = receiver["webhook_configs"][0]
+    webhook["url"] = f"{job.url}/v1/alerts"
+    webhook["http_config"]["authorization"]["credentials_file"] = str(job.out / "token")
+    route = next(r for r in config["route"]["routes"] if r["receiver"] == "trainer-control")
+    route.update({"group_wait": "0s", "group_interval": "1s", "repeat_interval": "2s"})
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+@pytest.fixture
+def job(control_job):
+    # No cooldown and no cap: only idempotency may keep a repeated alert from acting again.
+    running = control_job({"lr_cooldown_seconds": 0.0, "lr_cooldown_steps": 0, "lr_max_reductions": 0})
+    running.wait_ready()
+    return running
+
+
+@pytest.fixture
+def alertmanager(job, tmp_path, free_port):
+    _alertmanager_config(job, tmp_path / "alertmanager.yml")
+    port, log = free_port(), tmp_path / "alertmanager.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                _binary("prometheus-alertmanager"),
+                f"--config.file={tmp_path / 'alertmanager.yml'}",
+                f"--storage.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: requests.get(f"{url}/-/ready", timeout=1).ok, 30, "alertmanager", lambda: tail(log))
+        yield url, log
+    finally:
+        stop_process(process, timeout=10)
+
+
+def webhook_notifications(url: str) -> tuple[float, float]:
+    """(sent, failed) webhook notifications, from Alertmanager's own metrics."""
+    page = samples(fetch(f"{url}/metrics"))
+    sent = sample_value(page, "alertmanager_notifications_total", integration="webhook") or 0
+    failed = sample_value(page, "alertmanager_notifications_failed_total", integration="webhook") or 0
+    return sent, failed
+
+
+def test_an_alert_repeated_by_alertmanager_halves_the_learning_rate_once_on_both_ranks(job, alertmanager):
+    url, log = alertmanager
+    subprocess.run(
+        [
+            _binary("amtool"),
+            "alert",
+            "add",
+            f"alertname={ALERT_NAME}",
+            "action=reduce_lr",
+            "run_id=control-test",
+            "severity=info",
+            "--annotation=summary=loss stopped improving",
+            f"--alertmanager.url={url}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    # The first delivery and at least two repeats of the same alert (same fingerprint and startsAt).
+    wait_for(lambda: webhook_notifications(url)[0] >= 3, 60, "three webhook notifications", lambda: tail(log))
+    assert webhook_notifications(url)[1] == 0, tail(log)
+
+    applied = [r for r in job.status()["recent"] if r["action"] == "reduce_lr"]
+    assert [(r["status"], r["source"], r["reason"]) for r in applied] == [("applied", "alert", f"alert:{ALERT_NAME}")]
+    step = applied[0]["step"]
+    for rank in (0, 1):
+        assert job.step_record(rank, step)["lr"] == pytest.approx([0.05])
+        reductions = [r["step"] for r in job.steps(rank) if "reduce_lr" in r.get("applied", [])]
+        assert reductions == [step], f"rank {rank} reduced at steps {reductions}"
+        assert job.steps(rank)[-1]["lr"] == pytest.approx([0.05])
+    page = samples(fetch(f"http://127.0.0.1:{job.ready(0)['metrics_port']}/metrics"))
+    count = sample_value
+    assert count(page, "rankscope_control_actions_total", action="reduce_lr", source="alert", result="applied") == 1
+    assert count(page, "rankscope_control_actions_total", action="reduce_lr", source="alert", result="duplicate") >= 2
+
+    job.post_action("stop", reason="test over")
+    assert job.wait_exit() == 0

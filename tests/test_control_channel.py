@@ -1,0 +1,337 @@
+"""ControlChannel: one process without torch.distributed, then a real 2-rank torchrun job driven
+through every action, checked on both ranks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity
+from exporter.control import ControlChannel, ControlConfig, ControlPortInUse, ControlStartError
+from tests.support import fetch, sample_value, samples
+
+TOKEN = "channel-token"
+
+
+class LoopHandler:
+    """What a training loop hands the channel: it notes checkpoints and stop requests."""
+
+    def __init__(self, fail_checkpoints: bool = False) -> None:
+        self.checkpoints: list[str] = []
+        self.stop_reason: str | None = None
+        self.fail_checkpoints = fail_checkpoints
+
+    def checkpoint(self, reason: str) -> None:
+        if self.fail_checkpoints:
+            raise OSError("disk full")
+        self.checkpoints.append(reason)
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+
+@pytest.fixture
+def monitor():
+    return Monitor(MonitorConfig(probes=()), RankIdentity.from_env({}, run_id="unit"), device="cpu")
+
+
+@pytest.fixture
+def optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+@pytest.fixture
+def make_channel(monitor, optimizer, monkeypatch):
+    monkeypatch.setenv("RANKSCOPE_CONTROL_TOKEN", TOKEN)
+    channels = []
+
+    def make(**settings) -> ControlChannel:
+        config = ControlConfig(**{"port": 0, "lr_cooldown_seconds": 0.0, **settings})
+        channel = ControlChannel(config, monitor, optimizer=optimizer)
+        channels.append(channel)
+        return channel
+
+    yield make
+    for channel in channels:
+        channel.close()
+
+
+def post(channel, action, **params):
+    body = {"action": action, "reason": "unit", **({"params": params} if params else {})}
+    response = requests.post(
+        channel.url + "/v1/actions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5
+    )
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def recent(channel):
+    return {r["id"]: r for r in channel.queue.snapshot()["recent"]}
+
+
+def actions_total(monitor, action, source, result):
+    labels = {**monitor.identity.labels(), "action": action, "source": source, "result": result}
+    return monitor.registry.get_sample_value("rankscope_control_actions_total", labels) or 0
+
+
+# --- one process -------------------------------------------------------------------------
+
+
+def test_without_a_token_the_channel_refuses_to_start(monitor, monkeypatch):
+    monkeypatch.delenv("RANKSCOPE_CONTROL_TOKEN", raising=False)
+    with pytest.raises(ControlStartError, match="needs a bearer token: set control.token_file or the"):
+        ControlChannel(ControlConfig(port=0), monitor)
+
+
+def test_an_insecure_channel_starts_without_a_token(monitor, monkeypatch, caplog):
+    monkeypatch.delenv("RANKSCOPE_CONTROL_TOKEN", raising=False)
+    with caplog.at_level("WARNING", logger="rankscope"):
+        channel = ControlChannel(ControlConfig(port=0, insecure=True), monitor)
+    try:
+        assert requests.get(channel.url + "/v1/status", timeout=5).status_code == 200
+        assert "WITHOUT a token" in caplog.text
+    finally:
+        channel.close()
+
+
+def test_a_taken_port_fails_with_the_setting_named(make_channel):
+    first = make_channel()
+    with pytest.raises(ControlStartError, match="already in use; stop the other process or change control.port"):
+        make_channel(port=int(first.url.rsplit(":", 1)[1]))
+    assert issubclass(ControlPortInUse, RuntimeError)
+
+
+def test_the_endpoint_binds_loopback_by_default(make_channel):
+    assert make_channel().url.startswith("http://127.0.0.1:")
+
+
+def test_a_disabled_channel_serves_nothing_and_applies_nothing(monitor):
+    channel = ControlChannel(ControlConfig(enabled=False), monitor)
+    assert channel.url is None
+    assert channel.at_step_boundary(1, LoopHandler()) == []
+    channel.close()
+
+
+def test_an_action_applies_at_the_next_boundary_and_records_its_step(make_channel, monitor, optimizer):
+    channel = make_channel()
+    handler = LoopHandler()
+    action_id = post(channel, "reduce_lr", lr_factor=0.25)
+    assert channel.queue.snapshot()["pending"][0]["id"] == action_id
+    assert channel.at_step_boundary(7, handler) == ["reduce_lr"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    record = recent(channel)[action_id]
+    assert (record["status"], record["step"]) == ("applied", 7)
+    assert channel.snapshot.read()["learning_rates"] == pytest.approx([0.025])
+    assert actions_total(monitor, "reduce_lr", "operator", "applied") == 1
+
+
+def test_a_checkpoint_passes_its_reason_to_the_loop(make_channel):
+    channel = make_channel()
+    handler = LoopHandler()
+    post(channel, "checkpoint")
+    channel.at_step_boundary(3, handler)
+    assert handler.checkpoints == ["operator:unit"]
+
+
+def test_refusals_by_cooldown_cap_and_floor_are_visible_in_status_and_metrics(make_channel, monitor, optimizer):
+    channel = make_channel(lr_cooldown_steps=10, lr_max_reductions=2, lr_floor=0.02)
+    handler = LoopHandler()
+    first, too_soon = post(channel, "reduce_lr"), post(channel, "reduce_lr")
+    channel.at_step_boundary(1, handler)
+    second = post(channel, "reduce_lr")
+    channel.at_step_boundary(11, handler)
+    capped = post(channel, "reduce_lr")
+    channel.at_step_boundary(30, handler)
+    outcomes = recent(channel)
+    assert [outcomes[i]["status"] for i in (first, too_soon, second, capped)] == [
+        "applied",
+        "refused_cooldown",
+        "applied",
+        "refused_cap",
+    ]
+    assert "cooldown is 10 steps" in outcomes[too_soon]["detail"]
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert actions_total(monitor, "reduce_lr", "operator", "refused_cooldown") == 1
+    assert actions_total(monitor, "reduce_lr", "operator", "refused_cap") == 1
+
+
+def test_reduce_lr_at_the_floor_is_refused(make_channel, optimizer):
+    channel = make_channel(lr_floor=0.1)
+    action_id = post(channel, "reduce_lr")
+    channel.at_step_boundary(1, LoopHandler())
+    assert recent(channel)[action_id]["status"] == "refused_floor"
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_actions_wait_for_a_step_divisible_by_check_every_n_steps(make_channel):
+    channel = make_channel(check_every_n_steps=5)
+    handler = LoopHandler()
+    post(channel, "checkpoint")
+    for step in range(1, 5):
+        assert channel.at_step_boundary(step, handler) == []
+    assert handler.checkpoints == []
+    assert channel.at_step_boundary(5, handler) == ["checkpoint"]
+    assert channel.snapshot.read()["step"] == 5
+
+
+def test_a_failing_checkpoint_is_reported_failed_and_the_loop_goes_on(make_channel, monitor):
+    channel = make_channel()
+    action_id = post(channel, "checkpoint")
+    assert channel.at_step_boundary(2, LoopHandler(fail_checkpoints=True)) == []
+    record = recent(channel)[action_id]
+    assert record["status"] == "failed"
+    assert "OSError: disk full" in record["detail"]
+    assert actions_total(monitor, "checkpoint", "operator", "failed") == 1
+
+
+def test_resume_without_a_pause_is_a_noop(make_channel):
+    channel = make_channel()
+    action_id = post(channel, "resume")
+    channel.at_step_boundary(1, LoopHandler())
+    assert recent(channel)[action_id]["status"] == "noop"
+
+
+def test_a_pause_holds_the_boundary_until_resume(make_channel, monitor):
+    channel = make_channel(pause_heartbeat_seconds=0.05)
+    handler = LoopHandler()
+    post(channel, "pause")
+    returned: list[list[str]] = []
+    loop = threading.Thread(target=lambda: returned.append(channel.at_step_boundary(4, handler)))
+    loop.start()
+    deadline = time.monotonic() + 30
+    while not channel.snapshot.read()["paused"]:
+        assert time.monotonic() < deadline, "the channel never paused"
+        time.sleep(0.01)
+    paused_gauge = monitor.registry.get_sample_value("rankscope_paused", monitor.identity.labels())
+    post(channel, "checkpoint")  # actions still apply while paused
+    post(channel, "resume")
+    loop.join(timeout=30)
+    assert not loop.is_alive()
+    assert returned == [["pause", "checkpoint", "resume"]]
+    assert paused_gauge == 1
+    assert monitor.registry.get_sample_value("rankscope_paused", monitor.identity.labels()) == 0
+    assert channel.snapshot.read()["paused"] is False
+
+
+def test_stop_ends_a_pause_and_asks_the_loop_to_stop(make_channel):
+    channel = make_channel(pause_heartbeat_seconds=0.05)
+    handler = LoopHandler()
+    post(channel, "pause")
+    post(channel, "stop")
+    assert channel.at_step_boundary(9, handler) == ["pause", "stop"]
+    assert handler.stop_reason == "operator:unit"
+    assert channel.stop_requested and not channel.paused
+    status = requests.get(channel.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    assert status.json()["stopping"] is True
+
+
+def test_a_null_monitor_is_enough(monkeypatch, optimizer):
+    monkeypatch.setenv("RANKSCOPE_CONTROL_TOKEN", TOKEN)
+    channel = ControlChannel(ControlConfig(port=0), NullMonitor(), optimizer=optimizer)
+    try:
+        post(channel, "reduce_lr")
+        assert channel.at_step_boundary(1, LoopHandler()) == ["reduce_lr"]
+    finally:
+        channel.close()
+
+
+# --- a real 2-rank job ----------------------------------------------------------------------
+
+PG_TIMEOUT = 3.0  # the job's main process group timeout after start-up; the control group gets the same
+
+
+@pytest.fixture(scope="module")
+def job(control_job):
+    settings = {
+        "group_timeout_seconds": PG_TIMEOUT,
+        "lr_cooldown_seconds": 0.0,
+        "lr_cooldown_steps": 1000,  # a second reduce_lr right away is refused
+    }
+    running = control_job(settings, pg_timeout=PG_TIMEOUT)
+    running.wait_ready()
+    return running
+
+
+def both_ranks_at(job, step):
+    records = [job.step_record(rank, step) for rank in (0, 1)]
+    return records[0], records[1]
+
+
+@pytest.mark.integration
+def test_reduce_lr_changes_both_ranks_at_the_same_step_and_the_scheduler_keeps_it(job):
+    applied_id, refused_id = job.post_action("reduce_lr"), job.post_action("reduce_lr")
+    applied, refused = job.wait_settled(applied_id), job.wait_settled(refused_id)
+    assert applied["status"] == "applied"
+    assert refused["status"] == "refused_cooldown"
+    step = applied["step"]
+    job.wait_for(lambda: all(job.steps(r)[-1]["step"] > step + 10 for r in (0, 1)), "10 more steps on both ranks")
+    rank0, rank1 = both_ranks_at(job, step)
+    assert rank0["applied"] == rank1["applied"] == ["reduce_lr"]
+    assert rank0["lr"] == rank1["lr"] == pytest.approx([0.05])
+    for rank in (0, 1):
+        before = [r["lr"][0] for r in job.steps(rank) if "exit" not in r and 5 <= r["step"] < step]
+        after = [r["lr"][0] for r in job.steps(rank) if "exit" not in r and r["step"] >= step]
+        assert set(before) == {0.1}, f"rank {rank}: {before}"
+        assert after == pytest.approx([0.05] * len(after)), f"rank {rank}: the scheduler undid the reduction"
+
+
+@pytest.mark.integration
+def test_checkpoint_writes_a_file_on_both_ranks_at_the_same_step_with_its_reason(job):
+    record = job.wait_settled(job.post_action("checkpoint", reason="before upgrade"))
+    assert record["status"] == "applied"
+    for rank in (0, 1):
+        written = (job.out / f"ckpt-rank{rank}-step{record['step']}.json").read_text()
+        assert '"reason": "operator:before upgrade"' in written
+
+
+@pytest.mark.integration
+def test_a_pause_longer_than_the_process_group_timeout_holds_both_ranks_at_one_step(job):
+    record = job.wait_settled(job.post_action("pause"))
+    assert record["status"] == "applied"
+    step = record["step"]
+    pages = {r: samples(fetch(f"http://127.0.0.1:{job.ready(r)['metrics_port']}/metrics")) for r in (0, 1)}
+    assert [sample_value(pages[r], "rankscope_paused") for r in (0, 1)] == [1, 1]
+    paused_since = job.status()["paused_since"]
+    # Held for 2.5 process-group timeouts, while the step stays where the pause caught it.
+    job.wait_for(
+        lambda: time.time() - paused_since > 2.5 * PG_TIMEOUT and job.status()["step"] == step,
+        "a long pause",
+        timeout=30,
+    )
+    assert job.status()["paused"] is True and job.status()["step"] == step
+    assert job.wait_settled(job.post_action("resume"))["status"] == "applied"
+    job.wait_for(lambda: all(job.steps(r)[-1]["step"] > step + 3 for r in (0, 1)), "training to go on")
+    rank0, rank1 = both_ranks_at(job, step)
+    assert rank0["applied"] == rank1["applied"] == ["pause", "resume"]
+    assert rank0["held"] > 2.5 * PG_TIMEOUT and rank1["held"] > 2.5 * PG_TIMEOUT
+    page = samples(fetch(f"http://127.0.0.1:{job.ready(1)['metrics_port']}/metrics"))
+    assert sample_value(page, "rankscope_paused") == 0
+
+
+@pytest.mark.integration
+def test_stop_checkpoints_and_exits_zero_on_every_rank(job):
+    action_id = job.post_action("stop", reason="done")
+    assert job.wait_exit() == 0
+    exits = [job.steps(rank)[-1] for rank in (0, 1)]
+    assert exits[0] == exits[1] == {"exit": True, "step": exits[0]["step"], "stop_reason": "operator:done"}
+    step = exits[0]["step"]
+    for rank in (0, 1):
+        assert '"reason": "stop:operator:done"' in (job.out / f"ckpt-rank{rank}-step{step}.json").read_text()
+        assert job.step_record(rank, step)["applied"] == ["stop"]
+    metrics = samples((job.out / "rank0.metrics.txt").read_text())
+    for action, result, count in (
+        ("reduce_lr", "applied", 1),
+        ("reduce_lr", "refused_cooldown", 1),
+        ("checkpoint", "applied", 1),
+        ("pause", "applied", 1),
+        ("resume", "applied", 1),
+        ("stop", "applied", 1),
+    ):
+        got = sample_value(metrics, "rankscope_control_actions_total", action=action, source="operator", result=result)
+        assert got == count, (action, result, got, action_id)
+    assert sample_value(metrics, "rankscope_checkpoints_total", reason="operator") == 1
+    assert sample_value(metrics, "rankscope_checkpoints_total", reason="stop") == 1
