@@ -1,0 +1,373 @@
+"""Hugging Face `transformers.Trainer` integration: rankscope's metrics and control loop in one callback.
+
+    from exporter.hf import RankscopeCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=train_set)
+    RankscopeCallback.attach(trainer)            # or Trainer(..., callbacks=[RankscopeCallback()])
+    trainer.train()
+
+Every process of a `torchrun` / `accelerate launch` job serves its own
+/metrics on base_port + local_rank, labelled with its own rank. Importing this
+module imports transformers; `import exporter` alone never does.
+
+Where each signal comes from (Trainer events, in the order the Trainer calls them):
+
+- step_duration_seconds: on_step_begin -> on_step_end, i.e. forward and
+  backward of every accumulated micro-batch, the all-reduce, clipping, the
+  optimizer and scheduler step, plus the data wait before it (the Trainer
+  fetches a step's batches *before* on_step_begin), so that compute = step -
+  comm - data wait holds as for any other loop.
+- data_wait_seconds: from the last event of the previous step (on_step_end,
+  or the on_log / on_evaluate / on_save after it) to on_step_begin: the
+  Trainer pulling `gradient_accumulation_steps` batches from its data loader.
+  It also holds the Trainer's own small all-gather of the label count
+  (`average_tokens_across_devices`) when the model takes loss kwargs.
+- comm_duration_seconds / compute_duration_seconds: a DDP comm hook on
+  `trainer.model_wrapped` (the public attribute holding the DDP wrapper),
+  registered in on_train_begin, before the first backward. Callbacks receive
+  only the unwrapped model, so this needs the trainer: use `attach(trainer)`.
+  Without it (plain `callbacks=[...]`, or no DDP) comm time is not measured
+  and compute time is the whole step.
+- loss, grad_norm, non-finite and spike counters: from the Trainer's own logs
+  (on_log `loss`, `grad_norm`), which the Trainer already turned into
+  numbers: no extra device sync. The logged loss is the mean over
+  `logging_steps` steps, and with `logging_nan_inf_filter` (the default) the
+  Trainer replaces a NaN/inf loss before logging it, so set `logging_steps=1`
+  and `logging_nan_inf_filter=False` to count every non-finite step.
+  `eval_loss` becomes loss{split="val"}.
+- learning_rate, module_grad_norm, update_ratio: Monitor.watch() on the model
+  and the optimizer (per-module norms in on_pre_optimizer_step, while the
+  gradients exist).
+- samples_total: train batch size per process x gradient accumulation steps
+  per optimizer step (nominal: a short last batch counts as full).
+- tokens_total: only when TrainingArguments.include_num_input_tokens_seen is
+  "non_padding" (or "all", which counts padding too). The Trainer counts the
+  tokens of all processes (its own all-gather); each process adds an equal
+  share (count / world_size).
+- memory, host and GPU probes: sampled at scrape time by the Monitor.
+- rankscope_run_info: model = the model's name_or_path (else its class), and
+  config_hash = a hash of the TrainingArguments that change the optimisation
+  (HASHED_ARGUMENTS), the model's class and its parameter count.
+
+Control (opt in with `control=ControlConfig(...)`): the endpoint runs on the
+main process; at every on_step_end all processes take the same actions at the
+same step, through the Trainer's own flags: checkpoint -> control.should_save
+(the Trainer writes checkpoint-<step>), stop -> should_save and
+should_training_stop (train() returns normally), reduce_lr -> the optimizer's
+param groups and the scheduler's base LRs, pause/resume -> every process waits
+inside on_step_end, where no training collective is in flight, while the
+channel's heartbeat keeps its own collectives short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from . import create_monitor
+from ._log import LogOnce
+from .config import MonitorConfig
+from .control import ControlChannel, ControlConfig, record_checkpoint
+from .monitor import Monitor, StepContext
+from .null import NullMonitor
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+__all__ = ["RankscopeCallback"]
+
+logger = logging.getLogger("rankscope")
+
+#: TrainingArguments that change what the optimisation does; they make rankscope_run_info's config_hash.
+HASHED_ARGUMENTS: tuple[str, ...] = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "max_grad_norm",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "seed",
+    "bf16",
+    "fp16",
+    "gradient_checkpointing",
+    "world_size",
+)
+
+# The `probe` label of rankscope_monitor_errors_total for failures inside this callback.
+_PROBE = "hf_callback"
+
+
+class RankscopeCallback(TrainerCallback):
+    """Per-rank metrics (and, optionally, the control endpoint) for a `transformers.Trainer` run."""
+
+    def __init__(self, metrics: MonitorConfig | None = None, control: ControlConfig | None = None) -> None:
+        """`metrics`: the monitor's settings (model_name and config_hash are filled in from the run
+        when left empty). `control`: the control channel's settings; None runs no control endpoint."""
+        self.metrics = metrics or MonitorConfig()
+        if self.metrics.skip_nonfinite:
+            raise ValueError(
+                "metrics.skip_nonfinite is not supported with the Trainer callback: the Trainer steps the "
+                "optimizer itself (use the Trainer's logging_nan_inf_filter, or your own training loop)"
+            )
+        self.control = control
+        self.monitor: Monitor | NullMonitor | None = None
+        """Created at on_train_begin; serves /metrics until `close()` or the process ends."""
+        self.channel: ControlChannel | None = None
+        """The control channel while training runs (None without `control`)."""
+        self._trainer: Any | None = None
+        self._step_scope = ExitStack()
+        self._step: StepContext | None = None
+        self._last_step: StepContext | None = None
+        self._tokens_at_begin = 0
+        self._mark: float | None = None
+        self._save_reason: str | None = None
+        self._comm_attached: Any | None = None
+        self._log = LogOnce()
+
+    @classmethod
+    def attach(
+        cls, trainer: Trainer, metrics: MonitorConfig | None = None, control: ControlConfig | None = None
+    ) -> RankscopeCallback:
+        """Add a callback to `trainer` that also times the gradient all-reduce of its DDP model.
+
+        Callbacks only receive the unwrapped model; the DDP wrapper is the trainer's public
+        `model_wrapped`, so timing communication needs the trainer itself.
+        """
+        callback = cls(metrics, control)
+        callback._trainer = trainer
+        trainer.add_callback(callback)
+        return callback
+
+    @property
+    def control_url(self) -> str | None:
+        """Base URL of the control endpoint (main process, while training runs)."""
+        return self.channel.url if self.channel is not None else None
+
+    def close(self) -> None:
+        """Stop serving metrics and control (the endpoints otherwise live until the process ends)."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # --- Trainer events ------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model, optimizer = kwargs.get("model"), _unwrap_optimizer(kwargs.get("optimizer"))
+        if self.monitor is None:
+            config = dataclasses.replace(
+                self.metrics,
+                model_name=self.metrics.model_name or _model_name(model),
+                config_hash=self.metrics.config_hash or config_hash(args, model),
+            )
+            self.monitor = create_monitor(config, device=args.device)
+            self.monitor.start()
+            # Error counters exist at 0 from the first scrape, so increase() sees the first failure.
+            for probe in (_PROBE, "comm_hook"):
+                self.monitor.inc("monitor_errors_total", 0, probe=probe)
+        if model is not None:
+            self.monitor.watch(model, optimizer)
+        self._attach_comm_hook(args.world_size)
+        self.monitor.set_step(state.global_step)  # resumed runs continue their count
+        if self.control is not None and self.channel is None:
+            # Collective: every process reaches on_train_begin, after the Trainer set up the process group.
+            self.channel = ControlChannel(
+                self.control, self.monitor, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler")
+            )
+        self._mark = time.perf_counter()
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The epoch's data-loader iterator (worker start-up) is created next: count it as data wait.
+        self._mark = time.perf_counter()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.monitor is None:
+            return
+        with self._guard():
+            if self._mark is not None:
+                self.monitor.record_data_wait(time.perf_counter() - self._mark)
+            samples = (state.train_batch_size or args.per_device_train_batch_size) * args.gradient_accumulation_steps
+            self._tokens_at_begin = state.num_input_tokens_seen
+            self._step = self._step_scope.enter_context(self.monitor.step(samples=samples))
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._step is not None:
+            with self._guard():
+                self._step.record()  # per-module gradient norms (on their interval) while gradients exist
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if self.monitor is not None and self._step is not None:
+            with self._guard():
+                self._step_scope.close()  # records the step (duration, counters, comm/compute split)
+                self._last_step, self._step = self._step, None
+                tokens = state.num_input_tokens_seen - self._tokens_at_begin
+                if tokens > 0:
+                    self.monitor.inc("tokens_total", round(tokens / max(1, args.world_size)))
+        if self.channel is not None:
+            # Every process, same step; blocks while paused. Not guarded: a failure here must not
+            # leave one process out of the channel's collectives.
+            actions = _TrainerActions(control)
+            self.channel.at_step_boundary(state.global_step, actions)
+            self._save_reason = actions.save_reason or self._save_reason
+        self._mark = time.perf_counter()
+        return control
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.monitor is not None and logs:
+            with self._guard():
+                if "loss" in logs:
+                    self._record_train_values(logs["loss"], logs.get("grad_norm"))
+                if "eval_loss" in logs:
+                    self.monitor.record_loss(logs["eval_loss"], split="val")
+        self._mark = time.perf_counter()
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._mark = time.perf_counter()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        # The Trainer saves right after the step's last event (on_step_end, on_log or on_evaluate).
+        now = time.perf_counter()
+        reason = self._save_reason or ("final" if state.global_step >= state.max_steps else "interval")
+        self._save_reason = None
+        if self._mark is not None:
+            with self._guard():
+                record_checkpoint(self.monitor, reason, now - self._mark)
+        self._mark = time.perf_counter()
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._step_scope.close()
+        self._step = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.monitor is not None:
+            with self._guard():
+                self.monitor.flush()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _record_train_values(self, loss: float, grad_norm: float | None) -> None:
+        if self._last_step is not None:
+            # The logged values belong to the step that just ended; its context feeds the loss
+            # gauge, the spike detector and the non-finite counter.
+            self._last_step.record(loss=loss, grad_norm=grad_norm)
+        else:
+            self.monitor.set("loss", loss, split="train")
+
+    def _attach_comm_hook(self, world_size: int) -> None:
+        if self._trainer is None:
+            if world_size > 1:
+                self._log.warning(
+                    "comm_hook",
+                    "rankscope: comm time not measured; add the callback with RankscopeCallback.attach(trainer)",
+                )
+            return
+        wrapped = getattr(self._trainer, "model_wrapped", None)
+        if not isinstance(wrapped, DistributedDataParallel) or self._comm_attached is wrapped:
+            return
+        try:
+            self.monitor.attach_comm_hook(wrapped)
+            self._comm_attached = wrapped
+        except RuntimeError as exc:  # e.g. a comm hook already set through Accelerate's DDP kwargs
+            self.monitor.record_error("comm_hook")
+            logger.warning("rankscope: comm time not measured: cannot register the DDP comm hook (%s)", exc)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Monitoring must never break training: a failure is counted and logged once, then training goes on."""
+        try:
+            yield
+        except Exception as exc:
+            if self.monitor is not None:
+                self.monitor.record_error(_PROBE)
+            self._log.warning(_PROBE, "rankscope: Trainer callback failed (training goes on): %r", exc)
+
+
+class _TrainerActions:
+    """The channel's handler for one step boundary: actions become the Trainer's own flags.
+
+    The Trainer acts on them right after on_step_end, on every process: it saves
+    `checkpoint-<step>` and, for stop, leaves its loop and returns from train().
+    """
+
+    def __init__(self, control: TrainerControl) -> None:
+        self.control = control
+        self.save_reason: str | None = None
+
+    def checkpoint(self, reason: str) -> None:
+        self.control.should_save = True
+        self.save_reason = self.save_reason or reason
+
+    def request_stop(self, reason: str) -> None:
+        self.control.should_save = True
+        self.control.should_training_stop = True
+        self.save_reason = "stop"
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    # Accelerate wraps the optimizer; its step hooks (used for update ratios) live on the inner one.
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _model_name(model: Any) -> str:
+    """A Hub id ("org/name") as is; a local checkpoint path by its last part (no paths in labels);
+    a model built from a config by its class."""
+    config = getattr(model, "config", None)
+    name = str(getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", ""))
+    if name.startswith(("/", ".", "~")) or os.path.isdir(name):
+        name = os.path.basename(os.path.normpath(name))
+    return name or (type(model).__name__ if model is not None else "")
+
+
+def config_hash(args: TrainingArguments, model: Any = None) -> str:
+    """12 hex digits identifying the setup: HASHED_ARGUMENTS, the model's class and parameter count.
+
+    Not the model config: the Trainer's first forward fills some of it in (e.g. `problem_type`),
+    which would give one run two hashes.
+    """
+    document: dict[str, Any] = {name: getattr(args, name, None) for name in HASHED_ARGUMENTS}
+    if isinstance(model, torch.nn.Module):
+        document["model"] = [type(model).__name__, sum(p.numel() for p in model.parameters())]
+    text = json.dumps(document, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
