@@ -1,0 +1,72 @@
+"""trainer.stats: the multimodal statistics land in the contract's metrics, on a real Monitor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from exporter import Monitor, MonitorConfig, RankIdentity
+from trainer.config import ModelConfig
+from trainer.data import Collate, ShapesDataset, image_transform
+from trainer.model import build_model
+from trainer.stats import record_accuracy, record_batch_stats, record_model_stats
+from trainer.tokenizer import WordTokenizer
+
+LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
+
+
+@pytest.fixture
+def monitor() -> Monitor:
+    identity = RankIdentity("test", 0, 0, 1, "host")
+    return Monitor(MonitorConfig(base_port=0, probes=()), identity, device="cpu", registry=CollectorRegistry())
+
+
+@pytest.fixture(scope="module")
+def batch_and_model():
+    data = ShapesDataset(8, 48, 0, "train", image_transform(48))
+    tok = WordTokenizer.build(data.captions(), 16)
+    batch = Collate(tok, 48)([data[i] for i in range(8)])
+    return batch, build_model(ModelConfig(), tok.vocab_size, tok.max_length, tok.pad_id)
+
+
+def test_batch_statistics_describe_texts_and_images(monitor, batch_and_model) -> None:
+    batch, _ = batch_and_model
+    record_batch_stats(monitor, batch, batch.images)
+    value = monitor.registry.get_sample_value
+    assert value("rankscope_text_length_tokens_count", LABELS) == 8
+    assert value("rankscope_text_length_tokens_sum", LABELS) == batch.tokens
+    assert value("rankscope_text_padding_ratio", LABELS) == pytest.approx(1 - batch.tokens / (8 * 16))
+    assert value("rankscope_image_size_pixels_sum", {**LABELS, "axis": "width"}) == 8 * 48
+    red_mean = batch.images[:, 0].mean().item()
+    assert value("rankscope_image_channel_mean", {**LABELS, "channel": "r"}) == pytest.approx(red_mean, rel=1e-5)
+    assert value("rankscope_image_channel_std", {**LABELS, "channel": "b"}) > 0
+
+
+def test_model_statistics_cover_the_gate_the_temperature_and_each_attention_layer(monitor, batch_and_model) -> None:
+    batch, model = batch_and_model
+    record_model_stats(monitor, model, batch)
+    value = monitor.registry.get_sample_value
+    weight = model.fusion.gate.weight
+    assert value("rankscope_fusion_gate_weight", {**LABELS, "stat": "mean"}) == pytest.approx(weight.mean().item())
+    assert value("rankscope_fusion_gate_weight", {**LABELS, "stat": "max_abs"}) == pytest.approx(
+        weight.abs().max().item()
+    )
+    assert value("rankscope_contrastive_temperature", LABELS) == pytest.approx(0.07)
+    for layer in ("0", "1"):
+        entropy = value("rankscope_attention_entropy_nats", {**LABELS, "layer": layer})
+        # An untrained layer attends almost uniformly: close to log(tokens), never above it.
+        assert 0 < entropy <= math.log(16)
+    assert model.training  # the eval-mode forward put it back
+
+
+def test_accuracy_is_recorded_per_split_and_direction(monitor) -> None:
+    record_accuracy(monitor, [0.5, 0.25], split="val")
+    value = monitor.registry.get_sample_value
+    assert (
+        value("rankscope_contrastive_accuracy_ratio", {**LABELS, "split": "val", "direction": "image_to_text"}) == 0.5
+    )
+    assert (
+        value("rankscope_contrastive_accuracy_ratio", {**LABELS, "split": "val", "direction": "text_to_image"}) == 0.25
+    )

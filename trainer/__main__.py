@@ -1,0 +1,66 @@
+"""Entry point of the reference trainer.
+
+    torchrun --nproc_per_node=N -m trainer --config trainer/configs/demo.yaml [--set k=v ...] [--resume auto]
+
+Also runs without torchrun (`python -m trainer ...`) as a single rank.
+Bad input (config, manifest, checkpoint) and a start-up that cannot work (no
+control token, metrics port taken) end the process with status 2 and one
+line on stderr that names the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from exporter import MetricsPortInUse
+from exporter.control import ControlStartError
+
+from .checkpoint import CheckpointError
+from .config import ConfigError, load_config
+from .data import DataError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="rankscope's reference trainer.")
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. --set optim.lr=3e-4 (repeatable; value read as YAML)",
+    )
+    parser.add_argument(
+        "--resume",
+        default="none",
+        metavar="auto|none|PATH",
+        help="auto: newest readable checkpoint in checkpoint.dir (or start fresh); none; or a file",
+    )
+    return parser.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        config = load_config(args.config, args.overrides)
+        from .loop import Trainer  # after the config check, so a typo fails before transformers loads
+
+        Trainer(config, resume=args.resume).fit()
+    except (ConfigError, DataError, CheckpointError, ControlStartError, MetricsPortInUse) as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

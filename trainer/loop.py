@@ -1,0 +1,353 @@
+"""The Trainer: every component built from one config, and a loop that reads top to bottom.
+
+    trainer = Trainer(load_config("trainer/configs/demo.yaml"), resume="auto")
+    trainer.fit()
+
+Per step (every rank): fetch a batch (timed by the monitor), forward, loss,
+backward (DDP all-reduces gradients through the monitor's comm hook), clip,
+let the non-finite guard decide, optimizer and scheduler step. Then, at the
+step boundary: progress log, validation, control actions (applied by every
+rank at the same step), interval checkpoint.
+
+Distributed decisions:
+- DDP replicates the model, so rank 0 alone writes checkpoints; every rank
+  still takes part (RNG states are gathered, everyone waits for the file).
+- The contrastive loss uses each rank's own batch as negatives (no feature
+  all-gather): simpler, and each rank's accuracy is its own signal.
+- Validation sums loss and hits over ranks with one small all-reduce, so
+  every rank reports the same validation numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+
+from exporter import RankIdentity, create_monitor, write_file_sd
+
+from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError
+from .config import TrainConfig, build_section
+from .data import Batch, DataError, build_data, settle_bad_samples
+from .faults import FaultInjector
+from .logbook import ProgressLog
+from .model import build_model, contrastive_accuracy, contrastive_loss
+from .runtime import Runtime, seed_everything, set_rng_state
+from .stats import record_accuracy, record_batch_stats, record_model_stats
+from .tokenizer import WordTokenizer
+
+__all__ = ["Trainer", "warmup_cosine"]
+
+logger = logging.getLogger("trainer")
+
+
+def warmup_cosine(warmup: int, total: int, min_ratio: float):
+    """LR multiplier: linear warmup over `warmup` steps, then cosine from 1 down to `min_ratio` at `total`."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    # Matrices decay; biases, norms and the temperature do not.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+class Trainer:
+    """Builds the run from `cfg` (collective: every rank constructs it) and trains with `fit()`."""
+
+    def __init__(self, cfg: TrainConfig, resume: str = "none") -> None:
+        self.cfg = cfg
+        run = cfg.run
+        self.rt = Runtime.start(run.device, run.dist_timeout_seconds, run.threads)
+        seed_everything(run.seed)  # same seed on every rank: identical initial weights
+        identity = RankIdentity.from_env(run_id=run.run_id or None)
+        metrics = replace(
+            cfg.metrics,
+            model_name=cfg.metrics.model_name or f"clip-{cfg.model.image_encoder}",
+            config_hash=cfg.metrics.config_hash or cfg.hash(),
+        )
+        self.monitor = create_monitor(metrics, identity=identity, device=self.rt.device)
+        self.monitor.start()
+        if metrics.enabled and metrics.file_sd_path:
+            write_file_sd(self.monitor, metrics.file_sd_path, metrics.advertise_host or None)  # collective
+        self.checkpoints = Checkpointer(cfg.checkpoint.dir, cfg.checkpoint.keep, self.rt, self.monitor)
+        resumed = self.checkpoints.load(resume)  # collective
+        state = resumed[1] if resumed else None
+
+        tokenizer = WordTokenizer.from_state_dict(state["tokenizer"]) if state else None
+        self.data = build_data(
+            cfg.data, cfg.model.image_size, run.seed, self.rt.rank, self.rt.world_size, tokenizer,
+            pin_memory=self.rt.device.type == "cuda",
+        )  # fmt: skip
+        if self.rt.is_main:
+            for reason, count in self.data.skipped.items():
+                # Counted once, on rank 0, so a sum over ranks is the run's total.
+                self.monitor.inc("data_skipped_samples_total", count, reason=reason)
+        tok = self.data.tokenizer
+        model = build_model(cfg.model, tok.vocab_size, tok.max_length, tok.pad_id).to(self.rt.device)
+        on_cuda = self.rt.device.type == "cuda"
+        self.model = DistributedDataParallel(model, device_ids=[self.rt.device.index] if on_cuda else None)
+        self.monitor.attach_comm_hook(self.model)
+        self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+        total = cfg.optim.decay_steps or run.max_steps
+        self.scheduler = LambdaLR(self.optimizer, warmup_cosine(cfg.optim.warmup_steps, total, cfg.optim.min_lr_ratio))
+        self.amp_dtype = self._amp_dtype()
+        self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype is torch.float16)
+        self.monitor.watch(self.model, self.optimizer)
+        self.faults = FaultInjector(cfg.faults, self.rt.rank)
+        self.log = ProgressLog(run.log_file, self.rt.is_main, run.max_steps, cfg.data.batch_size * self.rt.world_size)
+
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.best_val_loss = math.inf
+        self.last_val_step = -1
+        self.stop_reason: str | None = None
+        # Per-rank streams from here on (dropout, faults' choices); restored exactly on resume.
+        seed_everything(run.seed + 1000 * self.rt.rank)
+        if resumed:
+            self._restore(*resumed)
+        self.channel = self._control_channel()
+        self.log.event("start", step=self.step, world_size=self.rt.world_size, resumed=bool(resumed),
+                       config_hash=metrics.config_hash)  # fmt: skip
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train to run.max_steps (or until a stop request), validate, checkpoint, clean up."""
+        try:
+            self.log.restart_clock()
+            while self.step < self.cfg.run.max_steps and self.stop_reason is None:
+                self._train_epoch()
+            self._finish()
+        finally:
+            self.close()
+
+    def _train_epoch(self) -> None:
+        batch_size = self.cfg.data.batch_size
+        self.data.sampler.set_position(self.epoch, self.batch_in_epoch, batch_size)
+        batches = self.faults.slow_data(self.data.train_loader, lambda: self.step + 1)
+        for batch in self.monitor.data(batches):
+            self.train_step(batch)
+            self.batch_in_epoch += 1
+            if self.batch_in_epoch >= self.data.batches_per_epoch:
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # the position a checkpoint records
+            self._at_step_boundary()
+            if self.step >= self.cfg.run.max_steps or self.stop_reason is not None:
+                return
+
+    def train_step(self, batch: Batch) -> None:
+        """One optimizer step on one batch (every rank, in lockstep through DDP's all-reduce)."""
+        settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
+        if len(batch) == 0:
+            raise DataError("every sample of a training batch was unreadable; see the warnings above")
+        with self.monitor.step(samples=len(batch), tokens=batch.tokens) as step:
+            self.faults.at_step_start(step.index, self.optimizer, self.scheduler)
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (host float, no sync)
+            on_device = batch.to(self.rt.device)
+            with self._autocast():
+                logits = self.model(on_device.images, on_device.input_ids, on_device.attention_mask)
+                loss = contrastive_loss(logits)
+            loss = self.faults.after_forward(step.index, loss)
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+            max_norm = self.cfg.optim.grad_clip or math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if step.record(loss=loss, grad_norm=norm):
+                self.scaler.step(self.optimizer)
+            self.scaler.update()  # also after a skipped step, so an fp16 scale can shrink
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.step = step.index
+        accuracy = contrastive_accuracy(logits.detach())
+        record_accuracy(self.monitor, accuracy, split="train")
+        self.log.record_step(self.step, loss, accuracy, lr)
+        if self._due(self.cfg.run.stats_every):
+            record_batch_stats(self.monitor, batch, on_device.images)
+            record_model_stats(self.monitor, self.model.module, on_device)
+
+    def _at_step_boundary(self) -> None:
+        run = self.cfg.run
+        if self._due(run.log_every):
+            self.log.flush()
+        if self._due(run.val_every):
+            self.validate()
+        if self.channel is not None:
+            applied = self.channel.at_step_boundary(self.step, self)  # may call checkpoint() / request_stop()
+            if "pause" in applied or "resume" in applied:
+                self.log.restart_clock()  # a pause is not step time
+        if self._due(self.cfg.checkpoint.every_steps) and self.checkpoints.last_step != self.step:
+            self.save_checkpoint("interval")
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def _finish(self) -> None:
+        self.log.flush()
+        if self.stop_reason is not None:
+            self.save_checkpoint(f"stop:{self.stop_reason}")
+        else:
+            if self.last_val_step != self.step:
+                self.validate()
+            if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
+                self.save_checkpoint("final")
+        self.log.event("finished", step=self.step, stopped=self.stop_reason)
+        if self.rt.is_main:
+            stopped = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
+            logger.info("finished at step %d%s", self.step, stopped)
+        if self.cfg.run.linger_seconds:
+            if self.rt.is_main:
+                logger.info("serving metrics for %.0fs more (run.linger_seconds)", self.cfg.run.linger_seconds)
+            time.sleep(self.cfg.run.linger_seconds)
+        self.rt.barrier()  # leave together: no rank tears down while a peer still needs it
+
+    # --- validation -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Loss and in-batch accuracy on the validation set, summed over every rank's shard."""
+        model = self.model.module  # no DDP forward: nothing to synchronise, no gradients
+        model.eval()
+        totals = torch.zeros(4, dtype=torch.float64, device=self.rt.device)
+        try:
+            for batch in self.data.val_loader:
+                settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
+                if len(batch) == 0:
+                    continue
+                on_device = batch.to(self.rt.device)
+                with self._autocast():
+                    logits = model(on_device.images, on_device.input_ids, on_device.attention_mask)
+                n = float(len(batch))
+                accuracy = contrastive_accuracy(logits)
+                totals += torch.stack([contrastive_loss(logits) * n, accuracy[0] * n, accuracy[1] * n,
+                                       torch.tensor(n, device=totals.device)]).to(torch.float64)  # fmt: skip
+        finally:
+            model.train()
+        torch.distributed.all_reduce(totals)
+        loss_sum, i2t, t2i, count = totals.tolist()
+        self.last_val_step = self.step
+        if count == 0:
+            return {}
+        result = {"loss": loss_sum / count, "acc_i2t": i2t / count, "acc_t2i": t2i / count}
+        self.monitor.record_loss(result["loss"], split="val")
+        record_accuracy(self.monitor, [result["acc_i2t"], result["acc_t2i"]], split="val")
+        self.best_val_loss = min(self.best_val_loss, result["loss"])
+        self.log.event("val", step=self.step, **result)
+        if self.rt.is_main:
+            logger.info(
+                "validation at step %d | loss %.4f | acc i2t %.3f t2i %.3f",
+                self.step, result["loss"], result["acc_i2t"], result["acc_t2i"],
+            )  # fmt: skip
+        return result
+
+    # --- bad samples, control, checkpoints ------------------------------------------------------
+
+    def checkpoint(self, reason: str) -> None:
+        """Control handler: checkpoint now (every rank calls this at the same boundary)."""
+        self.save_checkpoint(reason)
+
+    def request_stop(self, reason: str) -> None:
+        """Control handler: leave the loop after this step; `_finish` writes the stop checkpoint."""
+        self.stop_reason = reason
+
+    def save_checkpoint(self, reason: str) -> None:
+        path = self.checkpoints.save(self.step, self.state_dict, reason)
+        if path is not None:
+            self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (RNG states are added by the Checkpointer)."""
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "world_size": self.rt.world_size,
+            "batch_size": self.cfg.data.batch_size,
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "tokenizer": self.data.tokenizer.state_dict(),
+            "config": self.cfg.to_dict(),
+            "monitor": {"best_val_loss": self.best_val_loss, "last_val_step": self.last_val_step},
+        }
+
+    def _restore(self, path: Any, state: dict[str, Any]) -> None:
+        try:
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            detail = " ".join(str(exc).split())[:300]
+            raise CheckpointError(f"checkpoint {path} does not fit this model/config: {detail}") from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.batch_in_epoch = (int(state[k]) for k in ("step", "epoch", "batch_in_epoch"))
+        layout = (state.get("world_size"), state.get("batch_size"))
+        same_layout = layout == (self.rt.world_size, self.cfg.data.batch_size)
+        if not same_layout:
+            # The saved position counts batches of another layout: start the next epoch instead.
+            logger.warning("checkpoint %s was written with another world size or batch size; "
+                           "data order restarts at epoch %d", path, self.epoch + 1)  # fmt: skip
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        monitor_state = state.get("monitor", {})
+        self.best_val_loss = float(monitor_state.get("best_val_loss", math.inf))
+        self.last_val_step = int(monitor_state.get("last_val_step", -1))
+        rng = state["rng"]
+        set_rng_state(rng[self.rt.rank] if self.rt.rank < len(rng) else rng[0])
+        self.monitor.set_step(self.step)
+        self.checkpoints.last_step = self.step
+        self.log.event("resume", step=self.step, path=str(path), reason=state.get("reason", ""))
+        if self.rt.is_main:
+            logger.info("resumed from %s at step %d (epoch %d, batch %d; written for: %s)",
+                        path, self.step, self.epoch, self.batch_in_epoch, state.get("reason", "?"))  # fmt: skip
+
+    def _control_channel(self) -> Any:
+        if not self.cfg.control_enabled:
+            return None
+        from exporter.control import ControlChannel, ControlConfig
+
+        config = build_section(ControlConfig, self.cfg.control, "control")
+        return ControlChannel(config, self.monitor, optimizer=self.optimizer, scheduler=self.scheduler)
+
+    # --- precision and teardown -----------------------------------------------------------------
+
+    def _amp_dtype(self) -> torch.dtype | None:
+        amp = self.cfg.run.amp
+        if amp == "off":
+            return None
+        if self.rt.device.type != "cuda":
+            if self.rt.is_main:
+                logger.warning("run.amp=%s needs a CUDA device; training in float32 on %s", amp, self.rt.device)
+            return None
+        return torch.float16 if amp == "fp16" else torch.bfloat16
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cuda", dtype=self.amp_dtype)
+
+    def close(self) -> None:
+        """Stop serving and leave the process group (local: no collectives)."""
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        self.monitor.close()
+        self.rt.close()

@@ -1,0 +1,150 @@
+"""A CLIP-style dual encoder, built from library constructors (no pretrained weights, no download).
+
+    image --torchvision ViT/ResNet--> features --image_proj--> embedding --+
+                                                                             +-- cosine logits / temperature
+    caption --transformers BERT--> [CLS] and mean tokens --fusion--> text_proj --+
+
+The fusion gate decides, per dimension, how much of the caption embedding
+comes from the [CLS] token and how much from the mean of all tokens; its
+weights are what `rankscope_fusion_gate_weight` watches. The temperature is
+learned (as a log scale, clamped like CLIP's at 100). The loss is the
+symmetric cross-entropy over in-batch negatives (each rank's own batch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models import VisionTransformer
+from torchvision.models.resnet import BasicBlock, ResNet
+from transformers import BertConfig, BertModel
+
+__all__ = [
+    "DualEncoder",
+    "GatedFusion",
+    "attention_entropy",
+    "build_model",
+    "contrastive_accuracy",
+    "contrastive_loss",
+]
+
+MAX_LOGIT_SCALE = math.log(100.0)
+
+
+class GatedFusion(nn.Module):
+    """out = g * a + (1 - g) * b with g = sigmoid(W [a; b] + c), per dimension."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(2 * dim, dim)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.gate(torch.cat([a, b], dim=-1)))
+        return gate * a + (1 - gate) * b
+
+
+def _image_encoder(cfg) -> tuple[nn.Module, int]:
+    if cfg.image_encoder == "vit":
+        vit = VisionTransformer(
+            image_size=cfg.image_size,
+            patch_size=cfg.patch_size,
+            num_layers=cfg.image_layers,
+            num_heads=cfg.image_heads,
+            hidden_dim=cfg.image_hidden,
+            mlp_dim=2 * cfg.image_hidden,
+            dropout=cfg.dropout,
+        )
+        vit.heads = nn.Identity()  # the class token's features; our projection head follows
+        return vit, cfg.image_hidden
+    resnet = ResNet(BasicBlock, [cfg.image_layers] * 4)
+    resnet.fc = nn.Identity()
+    return resnet, 512 * BasicBlock.expansion
+
+
+class DualEncoder(nn.Module):
+    """Image and text towers meeting in one embedding space."""
+
+    def __init__(self, cfg, vocab_size: int, max_length: int, pad_id: int = 0) -> None:
+        super().__init__()
+        self.image_encoder, image_features = _image_encoder(cfg)
+        self.text_encoder = BertModel(
+            BertConfig(
+                vocab_size=vocab_size,
+                hidden_size=cfg.text_hidden,
+                num_hidden_layers=cfg.text_layers,
+                num_attention_heads=cfg.text_heads,
+                intermediate_size=2 * cfg.text_hidden,
+                max_position_embeddings=max_length,
+                hidden_dropout_prob=cfg.dropout,
+                attention_probs_dropout_prob=cfg.dropout,
+                pad_token_id=pad_id,
+                # Eager attention returns the attention maps the entropy statistic reads.
+                attn_implementation="eager",
+            ),
+            add_pooling_layer=False,
+        )
+        self.fusion = GatedFusion(cfg.text_hidden)
+        self.image_proj = nn.Linear(image_features, cfg.embed_dim)
+        self.text_proj = nn.Linear(cfg.text_hidden, cfg.embed_dim)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / cfg.init_temperature)))
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.image_proj(self.image_encoder(images)), dim=-1)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        mean = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        return F.normalize(self.text_proj(self.fusion(hidden[:, 0], mean)), dim=-1)
+
+    def scale(self) -> torch.Tensor:
+        """exp(logit_scale), clamped: the inverse temperature."""
+        return self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Image-to-text logits (N x N); row i's correct column is i."""
+        image = self.encode_image(images)
+        text = self.encode_text(input_ids, attention_mask)
+        return self.scale() * image @ text.t()
+
+    @torch.no_grad()
+    def text_attentions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Attention maps of every text layer, each (N, heads, T, T)."""
+        out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        return tuple(out.attentions)
+
+
+def contrastive_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Symmetric cross-entropy: image->text over rows, text->image over columns."""
+    target = torch.arange(logits.shape[0], device=logits.device)
+    logits = logits.float()
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
+
+
+@torch.no_grad()
+def contrastive_accuracy(logits: torch.Tensor) -> torch.Tensor:
+    """[image->text, text->image] fraction of rows whose best match is the right one (stays on device)."""
+    target = torch.arange(logits.shape[0], device=logits.device)
+    image_to_text = (logits.argmax(dim=1) == target).float().mean()
+    text_to_image = (logits.argmax(dim=0) == target).float().mean()
+    return torch.stack([image_to_text, text_to_image])
+
+
+@torch.no_grad()
+def attention_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of each layer's attention distributions over real (non-padding) query tokens."""
+    query_mask = attention_mask.to(torch.float32)[:, None, :]  # (N, 1, T), broadcast over heads
+    values = []
+    for probs in attentions:
+        probs = probs.float()
+        entropy = -(probs * probs.clamp(min=1e-12).log()).sum(dim=-1)  # (N, heads, T)
+        values.append((entropy * query_mask).sum() / (query_mask.sum() * probs.shape[1]).clamp(min=1.0))
+    return torch.stack(values)
+
+
+def build_model(cfg, vocab_size: int, max_length: int, pad_id: int = 0) -> DualEncoder:
+    """The dual encoder of `cfg` (a trainer.config.ModelConfig)."""
+    return DualEncoder(cfg, vocab_size, max_length, pad_id)
