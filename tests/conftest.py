@@ -118,9 +118,9 @@ def wsgi_call():
 
 @pytest.fixture(scope="module")
 def trainer_job(tmp_path_factory):
-    """Call with (name, settings=[--set overrides], resume=..., max_restarts=..., checkpoint_dir=...) to start
-    `torchrun -m trainer` on 2 ranks with trainer/configs/test.yaml (a tests.jobs.trainer_job.TrainerJob);
-    every job started is ended at the module's teardown."""
+    """Call with (name, settings=[--set overrides], resume=, max_restarts=, checkpoint_dir=, config=) to start
+    `torchrun -m trainer` on 2 ranks, by default with trainer/configs/test.yaml (a
+    tests.jobs.trainer_job.TrainerJob); every job started is ended at the module's teardown."""
     from tests.jobs.trainer_job import TrainerJob
 
     jobs = []

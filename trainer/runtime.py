@@ -1,8 +1,9 @@
 """Process-level setup: process group, device, seeds, and RNG state for exact resume.
 
-Backend follows the device: NCCL for CUDA, gloo for CPU. Launched without
-torchrun (no WORLD_SIZE), the trainer still forms a one-rank group (through a
-file store, no port needed), so the loop has a single code path.
+Backend follows the device: NCCL for CUDA, gloo for CPU. Under torchrun the
+group's store keys are scoped to the restart attempt (see `_attempt_store`).
+Launched without torchrun (no WORLD_SIZE), the trainer still forms a one-rank
+group (through a file store, no port needed), so the loop has a single code path.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class Runtime:
         timeout = timedelta(seconds=timeout_seconds)
         store_file = None
         if "WORLD_SIZE" in os.environ:
-            # torchrun's env:// rendezvous (MASTER_ADDR/PORT, RANK, WORLD_SIZE).
-            dist.init_process_group(backend, timeout=timeout, device_id=chosen if use_cuda else None)
+            store, rank, world_size = _attempt_store(timeout)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                device_id=chosen if use_cuda else None,
+            )  # fmt: skip
         else:
             handle, store_file = tempfile.mkstemp(prefix="rankscope-store-")
             os.close(handle)
@@ -93,6 +97,21 @@ class Runtime:
             for path in (self._store_file, self._store_file + ".lock"):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+def _attempt_store(timeout: timedelta) -> tuple[Any, int, int]:
+    """torchrun's env:// store (MASTER_ADDR/PORT, RANK, WORLD_SIZE), with keys of this attempt only.
+
+    torchrun's agent keeps one store for every restart round (the static
+    rendezvous always; c10d when it shares its TCPStore, the default), and the
+    env:// rendezvous adds no per-attempt prefix. Without one, a rank of a
+    restarted group (`--max-restarts`) can read a peer's address left by the
+    attempt that crashed and fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused"), a race that ends the job instead of resuming it.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"rankscope/attempt_{attempt}", store), rank, world_size
 
 
 def seed_everything(seed: int) -> None:
