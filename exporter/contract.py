@@ -43,70 +43,24 @@ PREFIX = "rankscope_"
 #: Labels carried by every series, in this order.
 IDENTITY_LABELS: tuple[str, ...] = ("run_id", "rank", "local_rank", "node")
 
+# fmt: off
 #: Step-scale durations: 1 ms to 5 min. 0.1 s is a boundary on purpose (the
 #: data-loader alert compares p90 data wait against 100 ms).
 STEP_TIME_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0, 300.0,
 )
 #: Data waits are usually far below a step; finer at the low end.
 DATA_WAIT_BUCKETS: tuple[float, ...] = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
 )
 CHECKPOINT_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )
 TEXT_LENGTH_BUCKETS: tuple[float, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 IMAGE_SIDE_BUCKETS: tuple[float, ...] = (16, 32, 48, 64, 96, 128, 192, 224, 256, 384, 512, 1024, 2048, 4096)
+# fmt: on
 
 
 class MetricKind(str, Enum):
