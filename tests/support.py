@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from trainer._procs import Child, Children
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -101,3 +109,144 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+# --- real Prometheus / Alertmanager servers and a webhook sink ------------------------------------
+# One launcher for every test that needs the servers, built on the stack launcher's own process
+# handling (trainer._procs): each server in its own session, waited for on /-/ready, stopped with
+# its process group.
+
+
+def binary(name: str) -> str:
+    """Path of a system binary; fails the test (never skips) when it is missing."""
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"{name} is not on PATH: run scripts/bootstrap.sh (Debian packages prometheus, prometheus-alertmanager)"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class Server:
+    """A started server: its process (a trainer._procs.Child) and base URL."""
+
+    child: Child
+    url: str
+
+
+def start_alertmanager(children: Children, config: Path, workdir: Path, port: int) -> Server:
+    """Start `prometheus-alertmanager` with `config` on 127.0.0.1:`port`; returns once it is ready.
+
+    Its data and log (`alertmanager.log`) go to `workdir`. No HA gossip port: a single local instance.
+    """
+    child = children.start(
+        "alertmanager",
+        [
+            binary("prometheus-alertmanager"),
+            f"--config.file={config}",
+            f"--storage.path={workdir / 'alertmanager-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        log_path=workdir / "alertmanager.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    children.wait_http_ok(child, f"{url}/-/ready", timeout=30)
+    return Server(child, url)
+
+
+def start_prometheus(children: Children, config: Path, workdir: Path, port: int) -> Server:
+    """Start `prometheus` with `config` on 127.0.0.1:`port`; returns once it is ready (data, log in `workdir`).
+
+    SIGHUP (`server.child.popen.send_signal`) makes it reload its config and rule files.
+    """
+    child = children.start(
+        "prometheus",
+        [
+            binary("prometheus"),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'prometheus-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        log_path=workdir / "prometheus.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    children.wait_http_ok(child, f"{url}/-/ready", timeout=30)
+    return Server(child, url)
+
+
+@contextlib.contextmanager
+def running_alertmanager(config: Path, workdir: Path, port: int) -> Iterator[str]:
+    """A real Alertmanager for the duration of a `with` block; yields its URL."""
+    children = Children()
+    try:
+        yield start_alertmanager(children, config, workdir, port).url
+    finally:
+        children.stop_all({})
+
+
+@dataclass
+class Delivery:
+    """One webhook request received by a WebhookSink."""
+
+    path: str
+    authorization: str
+    body: dict
+
+
+class WebhookSink:
+    """A tiny HTTP server standing in for a pager (or the trainer): it records every POST.
+
+    Its condition is shared by the HTTP threads and the test, which waits on it.
+    """
+
+    def __init__(self) -> None:
+        self.deliveries: list[Delivery] = []
+        self._changed = threading.Condition()
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with sink._changed:
+                    sink.deliveries.append(Delivery(self.path, self.headers.get("Authorization", ""), body))
+                    sink._changed.notify_all()
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def received(self) -> list[Delivery]:
+        with self._changed:
+            return list(self.deliveries)
+
+    def wait_for(
+        self, predicate: Callable[[Delivery], bool], timeout: float, diagnose: Callable[[], str] = lambda: ""
+    ) -> Delivery:
+        """The first delivery matching `predicate`, waiting up to `timeout` seconds for it."""
+        import pytest
+
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = next((d for d in self.deliveries if predicate(d)), None)
+                if found or time.monotonic() >= deadline:
+                    break
+                self._changed.wait(deadline - time.monotonic())
+        if found is None:
+            got = [(d.path, d.body) for d in self.received()]
+            pytest.fail(f"no matching delivery within {timeout}s; got {got}\n{diagnose()}")
+        return found
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -10,19 +10,18 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
+
+from tests.support import WebhookSink, binary, running_alertmanager
 
 REPO = Path(__file__).resolve().parent.parent
 AM_DIR = REPO / "alertmanager"
@@ -49,13 +48,6 @@ EXPECTED_RECEIVERS = {
     "RankscopeRankDown": "pager",
     "RankscopeRunPaused": "null",
 }
-
-
-def binary(name: str) -> str:
-    exe = shutil.which(name)
-    if exe is None:
-        pytest.fail(f"{name} is not on PATH: run scripts/bootstrap.sh (Debian package 'prometheus-alertmanager')")
-    return exe
 
 
 def amtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -142,59 +134,10 @@ def test_alerts_are_grouped_by_run_and_name_and_the_trainer_gets_firing_alerts_w
 
 
 @dataclass
-class Delivery:
-    path: str
-    authorization: str
-    body: dict
-
-
-class WebhookSink:
-    """Records webhook deliveries; its lock is shared by the HTTP threads and the test."""
-
-    def __init__(self) -> None:
-        self.deliveries: list[Delivery] = []
-        self._changed = threading.Condition()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with sink._changed:
-                    sink.deliveries.append(Delivery(self.path, self.headers.get("Authorization", ""), body))
-                    sink._changed.notify_all()
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait_for(self, predicate: Callable[[Delivery], bool], timeout: float) -> Delivery:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                found = next((d for d in self.deliveries if predicate(d)), None)
-                if found or time.monotonic() >= deadline:
-                    break
-                self._changed.wait(deadline - time.monotonic())
-        if found is None:
-            pytest.fail(f"no matching delivery within {timeout}s; got {[(d.path, d.body) for d in self.deliveries]}")
-        return found
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@dataclass
 class RunningAlertmanager:
     url: str
     token: str
     sink: WebhookSink
-    log: Path
 
     def post(self, *alerts: dict[str, str]) -> None:
         now = datetime.now(timezone.utc).isoformat()
@@ -216,41 +159,10 @@ def alertmanager(tmp_path: Path, free_port: Callable[[], int]) -> Iterator[Runni
     token = secrets.token_urlsafe(24)
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "control-token").write_text(token + "\n")  # surrounding whitespace is ignored
-    port, log = free_port(), tmp_path / "alertmanager.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                binary("prometheus-alertmanager"),
-                f"--config.file={tmp_path / 'alertmanager.yml'}",
-                f"--storage.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--cluster.listen-address=",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"alertmanager exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                if requests.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"alertmanager not ready after 30s:\n{log.read_text()}")
-            time.sleep(0.1)  # poll interval, not synchronisation
-        yield RunningAlertmanager(url, token, sink, log)
+        with running_alertmanager(tmp_path / "alertmanager.yml", tmp_path, free_port()) as url:
+            yield RunningAlertmanager(url, token, sink)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
         sink.close()
 
 

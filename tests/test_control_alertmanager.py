@@ -8,25 +8,16 @@ learning rate must halve once, on both ranks, however often it is repeated.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
-import requests
 import yaml
 
-from tests.support import REPO, fetch, sample_value, samples, stop_process, tail, wait_for
+from tests.support import REPO, binary, fetch, running_alertmanager, sample_value, samples, tail, wait_for
 
 pytestmark = pytest.mark.integration
 
 ALERT_NAME = "RankscopeLossPlateau"
-
-
-def _binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not on PATH: run scripts/bootstrap.sh (Debian package 'prometheus-alertmanager')")
-    return path
 
 
 def _alertmanager_config(job, path) -> None:
@@ -51,25 +42,8 @@ def job(control_job):
 @pytest.fixture
 def alertmanager(job, tmp_path, free_port):
     _alertmanager_config(job, tmp_path / "alertmanager.yml")
-    port, log = free_port(), tmp_path / "alertmanager.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                _binary("prometheus-alertmanager"),
-                f"--config.file={tmp_path / 'alertmanager.yml'}",
-                f"--storage.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--cluster.listen-address=",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: requests.get(f"{url}/-/ready", timeout=1).ok, 30, "alertmanager", lambda: tail(log))
-        yield url, log
-    finally:
-        stop_process(process, timeout=10)
+    with running_alertmanager(tmp_path / "alertmanager.yml", tmp_path, free_port()) as url:
+        yield url, tmp_path / "alertmanager.log"
 
 
 def webhook_notifications(url: str) -> tuple[float, float]:
@@ -84,7 +58,7 @@ def test_an_alert_repeated_by_alertmanager_halves_the_learning_rate_once_on_both
     url, log = alertmanager
     subprocess.run(
         [
-            _binary("amtool"),
+            binary("amtool"),
             "alert",
             "add",
             f"alertname={ALERT_NAME}",

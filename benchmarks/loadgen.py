@@ -1,0 +1,136 @@
+"""A scrape load generator: GET a /metrics URL at a fixed rate, switched on and off from stdin.
+
+    python -m benchmarks.loadgen http://127.0.0.1:9400/metrics --rate 20
+
+Runs in its own process (as Prometheus would), on a fixed schedule (a late
+request does not shift the ones after it), over a fresh connection per
+scrape (the exporter's server speaks HTTP/1.0). After one scrape that
+proves the URL works it prints `ready`. Commands on stdin, one per line:
+`on` and `off`, each answered with the state once it is in effect (after
+`off`, no scrape is in flight any more), also when it changes nothing, and
+the starting state is announced the same way. End of stdin (or SIGTERM/SIGINT) stops it; it
+then prints one JSON line: scrapes, errors, median and p99 latency in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import signal
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+from .timing import percentile
+
+__all__ = ["main", "scrape_once"]
+
+
+def scrape_once(host: str, port: int, path: str, timeout: float = 5.0) -> int:
+    """One GET of the whole page on a fresh connection; the page's size in bytes."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", path, headers={"Accept": "text/plain"})
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise OSError(f"HTTP {response.status}")
+        return len(body)
+    finally:
+        connection.close()
+
+
+class Switch:
+    """On/off as the command thread last set it; locked because the scrape loop reads it."""
+
+    def __init__(self, on: bool) -> None:
+        self.changed = threading.Condition()
+        self.wanted = on
+        self.commands = 1  # the initial state counts as a command: it is acknowledged too
+        self.stopped = False
+
+    def set(self, on: bool | None = None, stop: bool = False) -> None:
+        with self.changed:
+            if on is not None:
+                self.wanted = on
+                self.commands += 1
+            self.stopped = self.stopped or stop
+            self.changed.notify_all()
+
+
+def _read_commands(switch: Switch) -> None:
+    for line in sys.stdin:
+        command = line.strip()
+        if command in ("on", "off"):
+            switch.set(on=command == "on")
+        elif command:
+            print(f"error: unknown command {command!r} (on, off)", flush=True)
+    switch.set(stop=True)  # stdin closed: the parent is done (or gone)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", description=__doc__.splitlines()[0])
+    parser.add_argument("url", help="the /metrics URL to scrape (loopback)")
+    parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second while on")
+    parser.add_argument("--off", action="store_true", help="start switched off (wait for `on`)")
+    args = parser.parse_args(argv)
+    if args.rate <= 0:
+        parser.error(f"--rate must be > 0, got {args.rate}")
+    parts = urlsplit(args.url)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        parser.error(f"url must look like http://HOST:PORT/metrics, got {args.url!r}")
+    host, port, path = parts.hostname, parts.port, parts.path or "/metrics"
+    try:
+        scrape_once(host, port, path)
+    except OSError as exc:
+        print(f"error: cannot scrape {args.url}: {exc}", flush=True)
+        return 1
+    print("ready", flush=True)
+
+    switch = Switch(on=not args.off)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: switch.set(stop=True))
+    threading.Thread(target=_read_commands, args=(switch,), daemon=True).start()
+    latencies: list[float] = []
+    errors = 0
+    interval = 1.0 / args.rate
+    acknowledged = 0  # commands answered so far: every command is, even one that changes nothing
+    on = False
+    next_at = time.monotonic()
+    while True:
+        with switch.changed:
+            if switch.stopped:
+                break
+            if switch.commands != acknowledged:
+                acknowledged, was_on, on = switch.commands, on, switch.wanted
+                print("on" if on else "off", flush=True)  # no scrape is in flight here
+                if on and not was_on:
+                    next_at = time.monotonic()
+            if not on:
+                switch.changed.wait()  # until a command arrives
+                continue
+            remaining = next_at - time.monotonic()
+            if remaining > 0:
+                switch.changed.wait(remaining)  # the schedule's pause, cut short by a command
+                continue  # look at the switch and the clock again
+        started = time.perf_counter()
+        try:
+            scrape_once(host, port, path)
+            latencies.append(time.perf_counter() - started)
+        except OSError:
+            errors += 1
+        next_at += interval
+    summary = {
+        "scrapes": len(latencies),
+        "errors": errors,
+        "median_seconds": percentile(latencies, 50),
+        "p99_seconds": percentile(latencies, 99),
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

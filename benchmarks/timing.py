@@ -1,0 +1,73 @@
+"""Side-by-side timing and robust summaries: what the benchmarks here report.
+
+These machines are shared and noisy, so variants never run one after the
+other as whole benchmarks. `lockstep` runs several training loops side by
+side, one step of each in turn, in a fresh random order every step, so a
+burst of noise hits every variant alike. (Shuffled, not rotated: a rotation
+keeps the cyclic order, so one variant would always run right after the same
+neighbour and pay for the caches it evicted.) Results are the median over
+trials of each variant's time and the median of the per-trial ratios to the
+baseline, with their range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+
+__all__ = ["lockstep", "machine_line", "paired_ratios", "percentile", "ratio_line"]
+
+
+def machine_line() -> str:
+    """CPU count, load averages and torch threads: the context every printed number needs."""
+    import torch  # here, so that light tools (the load generator) need not import it
+
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"machine: {os.cpu_count()} CPUs, load average {load} (1/5/15 min), torch threads {torch.get_num_threads()}"
+
+
+def lockstep(loops: dict[str, Iterator[None]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Advance every loop by one step, in a shuffled order, until all are exhausted.
+
+    Returns the wall seconds and the CPU seconds of this thread spent in each. The CPU time
+    leaves out the time this thread waited while other processes ran (the noise of a shared
+    machine), and also any work done on other threads (a writer thread, a gloo thread).
+    """
+    shuffler = random.Random(0)
+    wall = dict.fromkeys(loops, 0.0)
+    cpu = dict.fromkeys(loops, 0.0)
+    active = list(loops)
+    while active:
+        order = list(active)
+        shuffler.shuffle(order)
+        for name in order:
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            finished = next(loops[name], StopIteration) is StopIteration
+            wall[name] += time.perf_counter() - started
+            cpu[name] += time.thread_time() - started_cpu
+            if finished:
+                active.remove(name)
+    return wall, cpu
+
+
+def paired_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:
+    """Round-by-round ratios value/base (both lists in round order)."""
+    return [v / b for v, b in zip(values, base, strict=True)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest-rank: an observed value, as a p99 should be."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ratio_line(ratios: Sequence[float]) -> str:
+    """`1.004 (0.981..1.032)`: median of paired ratios and their range."""
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
