@@ -103,7 +103,13 @@ class Trainer:
         tok = self.data.tokenizer
         model = build_model(cfg.model, tok.vocab_size, tok.max_length, tok.pad_id).to(self.rt.device)
         on_cuda = self.rt.device.type == "cuda"
-        self.model = DistributedDataParallel(model, device_ids=[self.rt.device.index] if on_cuda else None)
+        # broadcast_buffers=False: the default starts every forward with a broadcast from rank 0, whose
+        # wait counts as the peers' compute time, so a slow data loader on rank 0 would make rank 1 look
+        # like the straggler. The ViT/BERT buffers are constants; with the ResNet encoder each rank keeps
+        # its own BatchNorm running statistics (rank 0's are checkpointed).
+        self.model = DistributedDataParallel(
+            model, device_ids=[self.rt.device.index] if on_cuda else None, broadcast_buffers=False
+        )
         self.monitor.attach_comm_hook(self.model)
         self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         total = cfg.optim.decay_steps or run.max_steps
@@ -212,6 +218,8 @@ class Trainer:
         if self.rt.is_main:
             stopped = f" (stopped: {self.stop_reason})" if self.stop_reason else ""
             logger.info("finished at step %d%s", self.step, stopped)
+        # Before the linger, so a scrape sees it: the rank-down alert ignores ranks that finished cleanly.
+        self.monitor.finish()
         if self.cfg.run.linger_seconds:
             if self.rt.is_main:
                 logger.info("serving metrics for %.0fs more (run.linger_seconds)", self.cfg.run.linger_seconds)

@@ -107,11 +107,12 @@ def test_a_diverging_loss_gets_the_learning_rate_reduced_once_on_both_ranks_and_
 
 
 def _every_scraped_rate_matches_rank_0s_log(st: Stack, rank: int, records: list[dict], changed_at: tuple) -> None:
-    """Rank `rank`'s learning rate, at each scrape, equals what rank 0 logged for the step it had reached.
+    """Rank `rank`'s learning rate, at each scrape, is what rank 0 logged for the step it had reached.
 
-    The gauge holds the rate a step ended with; the log, the rate the next step used. The two differ
-    only at the boundaries in `changed_at`: the fault (applied at the start of the next step) and the
-    reduction (applied after the step); those scrapes are left out.
+    The gauge holds the rate a step ended with, which the log records for the next step. A scrape is
+    not atomic: the step counter and the rate may come from neighbouring steps (the schedule moves them
+    ~1 % apart; a missed or doubled reduction, 70 %). Scrapes next to the boundaries in `changed_at`
+    (the fault, the reduction) are left out.
     """
     used = {r["step"]: r["lr"] for r in records}
     window = (st.started_at, job_end(st.job))
@@ -119,13 +120,18 @@ def _every_scraped_rate_matches_rank_0s_log(st: Stack, rank: int, records: list[
     (steps,) = st.query_range(f"rankscope_global_step{{{selector}}}", *window)
     (rates,) = st.query_range(f'rankscope_learning_rate{{{selector}, param_group="0"}}', *window)
     step_at = {t: int(float(value)) for t, value in steps["values"]}  # one target: same scrape timestamps
+    near_change = {step + offset for step in changed_at for offset in (-1, 0, 1)}
     compared = [
         (step_at[t], float(rate))
         for t, rate in rates["values"]
-        if t in step_at and step_at[t] not in changed_at and step_at[t] + 1 in used
+        if t in step_at and step_at[t] not in near_change and step_at[t] in used and step_at[t] + 2 in used
     ]
-    for step, rate in compared:
-        assert rate == pytest.approx(used[step + 1], rel=1e-6), f"rank {rank} after step {step}"
+    wrong = [
+        f"after step {step}: {rate:.6g}, rank 0 logged {[used[s] for s in (step, step + 1, step + 2)]}"
+        for step, rate in compared
+        if not any(rate == pytest.approx(used[s], rel=1e-6) for s in (step, step + 1, step + 2))
+    ]
+    assert not wrong, f"rank {rank}'s learning rate differs from rank 0's: {wrong}"
     assert sum(step > changed_at[-1] for step, _ in compared) >= 3, f"rank {rank}: too few scrapes to compare"
 
 
@@ -286,12 +292,6 @@ def test_a_slow_data_loader_on_one_rank_fires_the_data_loader_alert_for_that_ran
     _expect_page_if_rule_says_so(st, "RankscopeDataLoaderBottleneck")
 
 
-@pytest.mark.xfail(
-    reason="trainer/loop.py wraps the model in DDP with broadcast_buffers=True (the default): every forward "
-    "starts with a broadcast of the text encoder's constant buffers from rank 0, so rank 1 waits for rank 0's "
-    "slow loader inside forward, counted as compute time, and the imbalance alert blames it",
-    strict=False,
-)
 def test_a_slow_data_loader_does_not_get_the_rank_waiting_for_it_paged_as_a_straggler(slow_loader) -> None:
     st = slow_loader
     blamed = [short_labels(a) for a in st.fired() if a["alertname"] == "RankscopeRankImbalance"]
