@@ -155,6 +155,12 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("tokens_total", _C, "Text tokens processed by this rank (excluding padding)."),
     _m("global_step", _G, "The global training step this rank last completed."),
     _m("last_step_timestamp_seconds", _G, "Unix time at which this rank last completed a step.", unit="seconds"),
+    _m(
+        "run_finished",
+        _G,
+        "1 once this rank has finished its run cleanly (the rank-down alert ignores ranks that said so); "
+        "0 while running.",
+    ),
     # --- optimisation scalars ------------------------------------------------
     _m("loss", _G, "Latest loss value.", labels=("split",)),
     _m("grad_norm", _G, "Total gradient L2 norm before clipping (latest step)."),

@@ -282,7 +282,7 @@ class RankscopeCallback(TrainerCallback):
             self.channel = None
         if self.monitor is not None:
             with self._guard():
-                self.monitor.flush()
+                self.monitor.finish()  # also flushes; the rank-down alert ignores a finished rank
 
     # --- internals ---------------------------------------------------------------------------
 

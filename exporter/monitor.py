@@ -130,6 +130,12 @@ class Monitor:
     def port(self) -> int | None:
         return self._server.port if self._server else None
 
+    def finish(self) -> None:
+        """Mark the run as finished cleanly; call after the last step, and keep serving for at least
+        one scrape interval so Prometheus sees it (the rank-down alert then ignores this rank)."""
+        self._metric["run_finished"].set(1)
+        self.flush()
+
     def close(self) -> None:
         """Resolve what is pending, detach hooks and stop serving."""
         self.flush()
@@ -346,6 +352,7 @@ _UNLABELLED = (
     "tokens_total",
     "global_step",
     "last_step_timestamp_seconds",
+    "run_finished",
     "nonfinite_steps_total",
     "skipped_steps_total",
     "loss_spikes_total",

@@ -30,6 +30,9 @@ class NullMonitor:
     def start(self) -> None:
         return None
 
+    def finish(self) -> None:
+        return None
+
     def close(self) -> None:
         return None
 

@@ -104,7 +104,8 @@ class Tunables:
     stall_for: str = "1m"
     rank_down_for: str = "2m"
     rank_down_lookback: str = "30m"
-    """A down target counts as a rank of a live run if it served metrics within this range."""
+    """A down target counts as a rank of a live run if it served metrics within this range and its last
+    `rankscope_run_finished` there was not 1."""
     paused_for: str = "30m"
 
     runbook_url: str = "https://github.com/rankscope/rankscope/blob/main/docs/runbook.md"
@@ -359,13 +360,18 @@ def alerts(t: Tunables) -> list[Alert]:
             "RankscopeRankDown",
             # The `up` series of a rank carries run_id/rank when service discovery sets them (file_sd from
             # the trainer, Kubernetes); with static targets they come from the metrics the rank served last.
-            f'max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
-            f"or\n"
-            f"max by ({RANK}, instance) (\n"
-            f"  (up == 0)\n"
-            f"  * on (job, instance) group_left ({RANK})\n"
-            f"  topk by (job, instance) (1, last_over_time(rankscope_run_info[{t.rank_down_lookback}]))\n"
-            f")",
+            # A rank whose last word was "finished cleanly" (rankscope_run_finished) is gone, not down.
+            f"(\n"
+            f'  max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
+            f"  or\n"
+            f"  max by ({RANK}, instance) (\n"
+            f"    (up == 0)\n"
+            f"    * on (job, instance) group_left ({RANK})\n"
+            f"    topk by (job, instance) (1, last_over_time(rankscope_run_info[{t.rank_down_lookback}]))\n"
+            f"  )\n"
+            f")\n"
+            f"unless on (run_id, rank)\n"
+            f"(last_over_time(rankscope_run_finished[{t.rank_down_lookback}]) == 1)",
             t.rank_down_for,
             "page",
             "A rank of a live run cannot be scraped.",

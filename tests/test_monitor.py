@@ -173,3 +173,14 @@ def test_disabled_monitoring_is_a_null_sink_with_the_same_calls():
         with monitor.step(samples=1) as step:
             assert step.record(loss=math.nan, grad_norm=1.0)
     assert monitor.global_step == 2
+
+
+def test_run_finished_is_0_while_training_and_1_after_finish():
+    monitor = make()
+    assert value(monitor, "rankscope_run_finished") == 0
+    train(monitor, 3)
+    assert value(monitor, "rankscope_run_finished") == 0
+    monitor.finish()
+    assert value(monitor, "rankscope_run_finished") == 1
+    assert value(monitor, "rankscope_steps_total") == 3
+    NullMonitor().finish()  # the same call when monitoring is off

@@ -60,6 +60,9 @@ RULE_SETTINGS = (
 )
 #: The trainer's log line interval in these runs; faults start just after a boundary (see `step_started_at`).
 LOG_EVERY = 10
+#: A run that ends cleanly keeps serving this long, so Prometheus scrapes its `rankscope_run_finished` = 1
+#: (without it, the rank-down alert takes the finished ranks for dead ones).
+LINGER_SECONDS = 3 * INTERVAL_SECONDS
 
 
 def generate_rules(out: Path, settings: Sequence[str]) -> Path:
@@ -211,6 +214,7 @@ class Stack:
                 f"run.run_id={self.run_id}",
                 f"run.max_steps={max_steps}",
                 f"run.log_every={LOG_EVERY}",
+                f"run.linger_seconds={LINGER_SECONDS}",
                 "control.enabled=true",
                 f"control.port={self.ports.control}",
                 f"control.token_file={self.token_file}",

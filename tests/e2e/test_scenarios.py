@@ -20,7 +20,15 @@ import psutil
 import pytest
 
 from grafana.queries import panel_queries
-from tests.e2e.harness import RATE_INTERVAL, Stack, record_latency, short_labels, step_started_at, unix_time
+from tests.e2e.harness import (
+    LINGER_SECONDS,
+    RATE_INTERVAL,
+    Stack,
+    record_latency,
+    short_labels,
+    step_started_at,
+    unix_time,
+)
 from tests.jobs.trainer_job import TrainerJob
 from tests.support import sample_value
 from trainer.checkpoint import read_checkpoint
@@ -343,17 +351,15 @@ def test_every_dashboard_panel_returns_data_from_the_live_prometheus(healthy) ->
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
 
-@pytest.mark.xfail(
-    reason="RankscopeRankDown takes any down target that served rankscope_run_info in the last 30m for a rank "
-    "of a live run: with static targets (the compose stack, trainer.stack) a run that finished cleanly pages "
-    "'rank down'. The exporter or trainer needs to say the run ended (or drop its file_sd entry) and the rule "
-    "to honour it",
-    strict=False,
-)
 def test_a_run_that_finished_cleanly_pages_no_one(healthy) -> None:
     st = healthy
     end = job_end(st.job)
-    # Rule evaluations past the end by more than a scrape and the test rules' `for`.
-    st.wait(lambda: st.last_evaluation() > end + 5, "rule evaluations 5 s past the run's end", 30, trainer_alive=False)
+    # The static targets are down once the linger is over; rank down would fire a scrape and the test
+    # rules' `for` later. The ranks said rankscope_run_finished=1 while lingering, so nothing fires.
+    finished = st.query(f'rankscope_run_finished{{run_id="{st.run_id}"}}[5m]')
+    assert sorted(s["metric"]["rank"] for s in finished if float(s["values"][-1][1]) == 1) == ["0", "1"], finished
+    settled = end + LINGER_SECONDS + 5
+    st.wait(lambda: st.last_evaluation() > settled, "rule evaluations well past the linger", 30, trainer_alive=False)
+    assert not st.query('up{job="rankscope"} == 1'), "the finished ranks' targets should be down"
     fired = [short_labels(labels) for labels in st.fired(start=end, end=time.time())]
     assert fired == [], fired
