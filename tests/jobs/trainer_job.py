@@ -51,6 +51,7 @@ class TrainerJob:
             "control.enabled=false",
             f"checkpoint.dir={self.checkpoint_dir}",
             f"run.log_file={self.log_file}",
+            "run.linger_seconds=0",  # no Prometheus scrapes these jobs; a test that scrapes sets its own
             *settings,
         ]
         # --standalone: the c10d rendezvous, as docker compose and `make demo` use. It gives every restart
