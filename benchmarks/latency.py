@@ -14,20 +14,25 @@ Prometheus and Alertmanager run from the repository's configs as the stack
 launcher derives them; mode `1s` sets the global scrape and evaluation
 interval to 1 s, mode `shipped` keeps prometheus/prometheus.yml's.
 
-One trial: a fresh trainer (its own run_id, so a fresh alert) is paused at
+One trial: a fresh trainer (its own run_id, so a fresh alert) with its own
+fresh Prometheus and Alertmanager (see `Trial` for why) is paused at
 its first step boundary until Prometheus has scraped both ranks (so the
 counter's 0 is in the TSDB, as in any run that has been going a while),
 resumed after a random fraction of a scrape interval (so the fault falls at a
-random phase of the scrape cycle), and at step 20 its loss turns NaN for 3
-steps (`faults.nonfinite`): the alert's condition (more than 2 non-finite
-steps) holds from the end of step 22. The breakdown uses each component's
-own timestamps:
+random phase of the scrape cycle), and from step 20 its loss turns NaN for 3
+steps (`faults.nonfinite`). The shipped rule fires on more than 2 non-finite
+steps in 10 minutes, by `increase()`, which extrapolates: a scrape that saw 2
+can already fire it. The breakdown uses each component's own timestamps:
 
-    scrape      end of step 22 (rank 0's log)  -> first scrape that saw the count (Prometheus sample time)
-    rule        -> the alert became active and, with for: 0s, firing (Prometheus activeAt)
+    fault       the end of step 20, the first NaN step (rank 0's log)
+    scrape      -> the scrape whose samples the firing evaluation read (the newest, any rank, up to it)
+    rule        -> the evaluation that made the alert active and, with for: 0s, firing (Prometheus activeAt)
     alertmgr    -> Alertmanager received it (its updatedAt; Prometheus resends only after 1 min)
     webhook     -> the control endpoint received the webhook (the action's received_at)
     boundary    -> every rank applied it at the next step boundary (settled_at, after the ranks agree)
+
+So `scrape` holds the fault's own development (2 or 3 steps, 0.2-0.5 s
+here) plus the wait for the next scrape.
 """
 
 from __future__ import annotations
@@ -40,14 +45,13 @@ import statistics
 import tempfile
 import time
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tests.jobs.trainer_job import TrainerJob
-from trainer.stack import REPO, Ports
+from trainer.stack import REPO
 
-from .localstack import MonitoringStack, free_port, free_port_block, seconds, shipped_interval
+from .localstack import MonitoringStack, free_port, local_ports, seconds, shipped_interval, unix_time
 from .timing import machine_line
 
 __all__ = ["main"]
@@ -57,14 +61,6 @@ FAULT_STEP = 20
 FAULT_STEPS = 3  # the shipped rule fires on more than 2 non-finite steps
 NPROC = 2
 PHASES = ("scrape", "rule", "alertmgr", "webhook", "boundary")
-
-
-def parse_time(text: str) -> float:
-    """An RFC 3339 time from Prometheus/Alertmanager (nanoseconds allowed) as a Unix time."""
-    head, _, fraction = text.rstrip("Z").partition(".")
-    fraction = "".join(ch for ch in fraction if ch.isdigit())[:6]
-    stamp = datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00")
-    return stamp.timestamp()
 
 
 class Control:
@@ -93,19 +89,28 @@ class Control:
 
 
 class Trial:
-    """One trainer run on the stack's ports, from pause to the applied action."""
+    """One trainer run and its own Prometheus and Alertmanager, from pause to the applied action.
 
-    def __init__(self, stack: MonitoringStack, workdir: Path, token_file: Path, interval: float, name: str) -> None:
-        self.stack = stack
-        self.interval = interval
+    Each trial gets fresh ports and a fresh stack: Prometheus spreads scrapes and rule evaluations over
+    the interval by hashing the target and the group, so the delay from a scrape to the next evaluation
+    is fixed for one setup and differs between setups. A stack per trial samples it; it also leaves no
+    alert of an earlier trial in Alertmanager.
+    """
+
+    def __init__(self, workdir: Path, interval: str | None, name: str) -> None:
+        self.workdir = workdir / name
+        self.workdir.mkdir(parents=True)
+        scrape, _ = shipped_interval() if interval is None else (interval, interval)
+        self.interval = seconds(scrape)
         self.run_id = f"bench-latency-{name}-{secrets.token_hex(2)}"
-        ports = stack.ports
-        self.control = Control(ports.control, token_file.read_text().strip())
-        (workdir / name).mkdir(parents=True)
+        self.ports = local_ports(NPROC)
+        token_file = self.workdir / "control-token"
+        token_file.write_text(secrets.token_urlsafe(32) + "\n")
+        self.control = Control(self.ports.control, token_file.read_text().strip())
         self.job = TrainerJob(
-            workdir / name,
+            self.workdir,
             free_port(),
-            ports.metrics,
+            self.ports.metrics,
             [
                 f"run.run_id={self.run_id}",
                 "run.log_every=1",  # every step's end time in the log: the fault's time
@@ -114,7 +119,7 @@ class Trial:
                 "checkpoint.every_steps=0",
                 "checkpoint.save_final=false",
                 "control.enabled=true",
-                f"control.port={ports.control}",
+                f"control.port={self.ports.control}",
                 f"control.token_file={token_file}",
                 f"faults.nonfinite.at_step={FAULT_STEP}",
                 f"faults.nonfinite.steps={FAULT_STEPS}",
@@ -123,12 +128,16 @@ class Trial:
             config=str(REPO / "trainer" / "configs" / "demo.yaml"),
             nproc=NPROC,
         )
+        # Started while the trainer starts up (it needs neither).
+        self.stack = MonitoringStack(self.workdir / "stack", self.ports, NPROC, token_file, interval=interval)
 
     def run(self) -> dict[str, float]:
         try:
+            self.stack.start()
             return self._run()
         finally:
             self.job.close()
+            self.stack.close()
 
     def _run(self) -> dict[str, float]:
         job, control = self.job, self.control
@@ -158,21 +167,23 @@ class Trial:
         return attempt
 
     def _breakdown(self, applied: dict[str, Any]) -> dict[str, float]:
-        last_fault_step = FAULT_STEP + FAULT_STEPS - 1
         records = {r["step"]: r for r in self.job.records("train")}
-        fault = float(records[last_fault_step]["time"])
-        series = self.stack.query(f'rankscope_nonfinite_steps_total{{run_id="{self.run_id}"}}[15m]')
-        seen = min(float(ts) for s in series for ts, value in s["values"] if float(value) >= FAULT_STEPS)
+        fault = float(records[FAULT_STEP]["time"])  # the end of the first NaN step
         (alert,) = [
             a for a in self.stack.prometheus_alerts()
             if a["labels"].get("alertname") == ALERT and a["labels"].get("run_id") == self.run_id
         ]  # fmt: skip
+        active = unix_time(alert["activeAt"])
+        # The evaluation that fired read the newest samples at or before its time: the scrape that
+        # delivered the evidence is the last one of the run (any rank) with a count, up to then.
+        series = self.stack.query(f'rankscope_nonfinite_steps_total{{run_id="{self.run_id}"}}[15m]')
+        seen = max(float(ts) for s in series for ts, value in s["values"] if float(value) > 0 and float(ts) <= active)
         (received,) = self.stack.alertmanager_alerts(alertname=ALERT, run_id=self.run_id)
         times = {
             "fault": fault,
             "scrape": seen,
-            "rule": parse_time(alert["activeAt"]),
-            "alertmgr": parse_time(received["updatedAt"]),
+            "rule": active,
+            "alertmgr": unix_time(received["updatedAt"]),
             "webhook": float(applied["received_at"]),
             "boundary": float(applied["settled_at"]),
         }
@@ -186,20 +197,14 @@ class Trial:
 def run_mode(mode: str, trials: int, workdir: Path) -> list[dict[str, float]]:
     interval = "1s" if mode == "1s" else None
     scrape, evaluation = shipped_interval() if interval is None else (interval, interval)
-    workdir.mkdir(parents=True, exist_ok=True)
-    token_file = workdir / "control-token"
-    token_file.write_text(secrets.token_urlsafe(32) + "\n")
-    ports = Ports(prometheus=free_port(), alertmanager=free_port(), metrics=free_port_block(NPROC), control=free_port())
     print(f"\nmode {mode}: scrape every {scrape}, evaluate every {evaluation}, Alertmanager as shipped", flush=True)
     results = []
-    with MonitoringStack(workdir / f"stack-{mode}", ports, NPROC, token_file, interval=interval) as stack:
-        for index in range(trials):
-            trial = Trial(stack, workdir, token_file, seconds(scrape), f"{mode}-{index + 1}")
-            result = trial.run()
-            results.append(result)
-            print("  trial {}: total {:.2f} s = {} (applied at step {:.0f})".format(
-                index + 1, result["total"], " + ".join(f"{p} {result[p]:.3f}" for p in PHASES), result["step"],
-            ), flush=True)  # fmt: skip
+    for index in range(trials):
+        result = Trial(workdir, interval, f"{mode}-{index + 1}").run()
+        results.append(result)
+        print("  trial {}: total {:.2f} s = {} (applied at step {:.0f})".format(
+            index + 1, result["total"], " + ".join(f"{p} {result[p]:.3f}" for p in PHASES), result["step"],
+        ), flush=True)  # fmt: skip
     return results
 
 

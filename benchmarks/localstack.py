@@ -24,6 +24,7 @@ import re
 import socket
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,11 @@ __all__ = [
     "free_port",
     "free_port_block",
     "get_json",
+    "local_ports",
     "prometheus_config",
     "seconds",
     "shipped_interval",
+    "unix_time",
 ]
 
 PROMETHEUS_YML = REPO / "prometheus" / "prometheus.yml"
@@ -76,6 +79,19 @@ def free_port_block(count: int) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
+
+
+def local_ports(nproc: int) -> Ports:
+    """Free loopback ports for every component: `nproc` consecutive metrics ports, the rest outside them."""
+    metrics = free_port_block(nproc)
+    taken = set(range(metrics, metrics + nproc))
+    others: list[int] = []
+    while len(others) < 3:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            others.append(port)
+    return Ports(prometheus=others[0], alertmanager=others[1], metrics=metrics, control=others[2])
 
 
 def seconds(duration: str) -> float:
@@ -197,6 +213,14 @@ class MonitoringStack:
 
     def log_tails(self, lines: int = 10) -> str:
         return "\n".join(f"--- {child.name} ---\n{child.log_tail(lines)}" for child in self.children)
+
+
+def unix_time(text: str) -> float:
+    """An RFC 3339 time from Prometheus/Alertmanager (nanoseconds allowed) as a Unix time."""
+    head, _, fraction = text.rstrip("Z").partition(".")
+    fraction = "".join(ch for ch in fraction if ch.isdigit())[:6]
+    stamp = datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00")
+    return stamp.timestamp()
 
 
 def _write(path: Path, config: dict[str, Any]) -> Path:

@@ -1,7 +1,7 @@
 """Benchmark 1: what monitoring costs per training step of the reference trainer.
 
-    .venv/bin/python -m benchmarks.overhead            # 5 trials x 50 steps of each variant, ~3-4 min
-    .venv/bin/python -m benchmarks.overhead --quick    # 2 trials, ~1.5 min
+    .venv/bin/python -m benchmarks.overhead            # 4 trials x 50 steps of each variant, 2-5 min (load)
+    .venv/bin/python -m benchmarks.overhead --quick    # 2 trials, 1-3 min
     .venv/bin/python -m benchmarks.overhead --variants none "rankscope default"
 
 The reference model (trainer/configs/demo.yaml: ViT + BERT dual encoder, batch
@@ -10,7 +10,8 @@ the same initial weights and trains on the same batches (see
 benchmarks/workload.py for what each variant does). The variants run side by
 side, one step of each in turn, so machine noise hits them alike. A trial's
 time is a variant's mean step time over all its steps (costs paid every N
-steps count, amortised); the table shows the median over trials and the
+steps count, amortised; the hand-written variant, the same at every step and
+by far the slowest, trains only the first `--hand-steps` of them); the table shows the median over trials and the
 median of the per-trial ratios to `none`, with their range, for wall time
 and for the training thread's CPU time (which the other processes of a
 shared machine disturb less, but which leaves out work on other threads,
@@ -25,6 +26,7 @@ import argparse
 import gc
 import statistics
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -37,14 +39,15 @@ BASE = "none"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="steps per trial (a multiple of 50 amortises fairly)")
-    parser.add_argument("--trials", type=int, default=5, help="trials (each runs every variant side by side)")
+    parser.add_argument("--trials", type=int, default=4, help="trials (each runs every variant side by side)")
+    parser.add_argument("--hand-steps", type=int, default=10, help="steps per trial of the hand-written variant")
     parser.add_argument("--quick", action="store_true", help="2 trials")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torchrun's default is 1)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="NAME",
                         help=f"which variants (default: all of {', '.join(VARIANTS)})")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.trials < 1:
-        parser.error("--steps and --trials must be >= 1")
+    if min(args.steps, args.trials, args.hand_steps) < 1:
+        parser.error("--steps, --trials and --hand-steps must be >= 1")
     trials = 2 if args.quick else args.trials
     names = [BASE, *(name for name in args.variants if name != BASE)]
 
@@ -52,21 +55,26 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # torch/transformers notes about the toy model
     ensure_process_group()
     work = Workload.build(args.steps)
+    # Hand-written costs the same at every step, so fewer of its (slow) steps give its mean as well.
+    steps = {name: min(args.steps, args.hand_steps) if name == "hand-written" else args.steps for name in names}
     chosen = {name: variant for name, variant in variants().items() if name in names}
     print(machine_line())
-    print(f"reference model (demo.yaml), {args.steps} steps per trial, {trials} trials + 1 warm-up, side by side")
+    print(f"reference model (demo.yaml), {args.steps} steps per trial ({steps.get('hand-written', args.steps)} "
+          f"for hand-written), {trials} trials + a short warm-up, side by side")  # fmt: skip
 
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     try:
         for trial in range(trials + 1):
-            runs = {name: chosen[name].prepare(work) for name in names}
+            # Trial 0 warms up allocator, caches and lazy imports, on a few steps.
+            length = steps if trial else {name: min(10, n) for name, n in steps.items()}
+            runs = {name: chosen[name].prepare(replace(work, batches=work.batches[: length[name]])) for name in names}
             gc.collect()  # set-up garbage is collected now, not inside a timed step
             trial_wall, trial_cpu = lockstep({name: run.steps() for name, run in runs.items()})
-            if trial > 0:  # trial 0 warms up allocator, caches and lazy imports
+            if trial > 0:
                 for name in names:
-                    wall[name].append(trial_wall[name] / args.steps)
-                    cpu[name].append(trial_cpu[name] / args.steps)
+                    wall[name].append(trial_wall[name] / steps[name])
+                    cpu[name].append(trial_cpu[name] / steps[name])
             print(f"  {'warm-up' if trial == 0 else f'trial {trial}/{trials}'} done", flush=True)
     finally:
         for variant in chosen.values():

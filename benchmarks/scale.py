@@ -34,9 +34,8 @@ import torch
 from prometheus_client import generate_latest
 
 from trainer._procs import Child, Children
-from trainer.stack import Ports
 
-from .localstack import MonitoringStack, free_port, free_port_block, shipped_interval
+from .localstack import MonitoringStack, local_ports, shipped_interval
 from .scrape import page_stats
 from .timing import machine_line
 from .workload import Workload, ensure_process_group, variants
@@ -86,7 +85,7 @@ def _poll(stack: MonitoringStack, expr: str, want: float, deadline_s: float, wha
 def measure(ranks: int, template: Path, age: float, workdir: Path, duration: float) -> dict[str, object]:
     """Serve `ranks` simulated ranks, let Prometheus scrape them for `duration` s, read its own metrics."""
     children = Children()
-    ports = Ports(prometheus=free_port(), alertmanager=free_port(), metrics=free_port_block(ranks), control=free_port())
+    ports = local_ports(ranks)
     workdir.mkdir(parents=True, exist_ok=True)
     fake = children.start(
         "fakeranks",
@@ -135,7 +134,7 @@ def measure(ranks: int, template: Path, age: float, workdir: Path, duration: flo
 
 def _report(results: list[dict], series_per_rank: int) -> None:
     print(f"\n{'ranks':>6} {'series/rank x ranks':>20} {'head series':>12} {'RSS':>9} {'heap':>9} {'CPU':>6} "
-          f"{'scrape':>8} {'recording rules':>18} {'alert rules':>18} {'missed':>6}")  # fmt: skip
+          f"{'scrape':>8} {'recording rules':>18} {'alert rules':>18} {'missed':>6} {'sim CPU':>8}")  # fmt: skip
     for r in results:
         rules = {
             name: f"{r['rule_median'].get(name, 0) * 1e3:.1f}/{r['rule_max'].get(name, 0) * 1e3:.1f} ms"
@@ -144,13 +143,14 @@ def _report(results: list[dict], series_per_rank: int) -> None:
         print(f"{r['ranks']:>6} {series_per_rank * r['ranks']:>20} {r['head_series']:>12.0f} "
               f"{r['rss_bytes'] / 2**20:>6.0f} MiB {r['heap_bytes'] / 2**20:>5.0f} MiB {r['cpu_cores']:>6.2f} "
               f"{r['scrape_seconds'] * 1e3:>5.1f} ms {rules['rankscope.recording']:>18} "
-              f"{rules['rankscope.alerts']:>18} {r['missed']:>6.0f}")  # fmt: skip
+              f"{rules['rankscope.alerts']:>18} {r['missed']:>6.0f} {r['fake_cpu_seconds']:>6.1f} s")  # fmt: skip
     if len(results) >= 2:
         low, high = results[0], results[-1]
         per_series = (high["rss_bytes"] - low["rss_bytes"]) / max(1.0, high["head_series"] - low["head_series"])
         print(f"\nmarginal resident memory: {per_series / 1024:.1f} KiB per head series "
               f"({low['ranks']} -> {high['ranks']} ranks)")  # fmt: skip
-    print("rule columns: median/max evaluation time over the window; CPU: Prometheus's cores in use (rate)")
+    print("rule columns: median/max evaluation time over the window; CPU: Prometheus's cores in use (rate); "
+          "sim CPU: what the simulated ranks used in all")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,16 +6,20 @@
 Part 1, the page: a monitor that has trained the reference model for one
 trial (so every series it will ever have exists) is scraped `--renders` times.
 For each configuration it prints the time to render the page in-process
-(`generate_latest` on the monitor's registry, resource probes included) and
-for a whole HTTP GET over loopback (median and p99), the page size in bytes
-and the number of series (sample lines) one rank exposes.
+(`generate_latest` on the monitor's registry, resource probes included:
+wall median and p99, and the median CPU time of the rendering thread, which
+other processes disturb less), the time of a whole HTTP GET over loopback
+(median and p99), the page size in bytes and the number of series (sample
+lines) one rank exposes.
 
 Part 2, scraping during training: the reference model trains with the
 default monitor in one long run, in blocks of `--block` steps; in one block
 of each pair a load generator in another process scrapes the rank `--rate`
 times a second (100x the shipped config's 5 s scrape), in the other nobody
 does (random order within each pair). Prints the step-time ratio
-scraped/quiet, overall and per pair.
+scraped/quiet (overall and per pair) and the same for the training process's
+CPU time (all its threads, the metrics server's included), which the other
+processes of a shared machine disturb less.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from prometheus_client import generate_latest
 
 from exporter import MonitorConfig
 
+from .localstack import seconds, shipped_interval
 from .timing import machine_line, percentile, ratio_line
 from .workload import Variant, Workload, ensure_process_group, variants
 
@@ -66,13 +71,15 @@ def page_stats(page: bytes) -> tuple[int, int]:
     return len(page), series
 
 
-def _timed(function, count: int) -> list[float]:
-    times = []
+def _timed(function, count: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU (this thread's) seconds of `count` calls."""
+    wall, cpu = [], []
     for _ in range(count):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         function()
-        times.append(time.perf_counter() - started)
-    return times
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.thread_time() - started_cpu)
+    return wall, cpu
 
 
 def _http_get(url: str) -> bytes:
@@ -87,7 +94,8 @@ def _http_get(url: str) -> bytes:
 
 def measure_pages(work: Workload, renders: int) -> None:
     print(f"\n1. one rank's /metrics page ({renders} renders each, after one trial of training)")
-    print(f"{'configuration':<20} {'render median/p99':>19} {'HTTP GET median/p99':>21} {'bytes':>8} {'series':>7}")
+    print(f"{'configuration':<20} {'render median/p99':>19} {'render CPU':>10} {'HTTP GET median/p99':>21} "
+          f"{'bytes':>8} {'series':>7}")  # fmt: skip
     for name, variant in _configs().items():
         try:
             run = variant.prepare(work)
@@ -97,12 +105,13 @@ def measure_pages(work: Workload, renders: int) -> None:
             url = f"http://127.0.0.1:{monitor.port}/metrics"
             page = _http_get(url)
             size, series = page_stats(page)
-            render = _timed(lambda m=monitor: generate_latest(m.registry), renders)
-            fetch = _timed(lambda u=url: _http_get(u), renders)
+            render, render_cpu = _timed(lambda m=monitor: generate_latest(m.registry), renders)
+            fetch, _ = _timed(lambda u=url: _http_get(u), renders)
         finally:
             variant.close()
         print(
-            f"{name:<20} {_ms(render):>19} {_ms(fetch):>21} {size:>8} {series:>7}",
+            f"{name:<20} {_ms(render):>19} {statistics.median(render_cpu) * 1e3:>7.2f} ms {_ms(fetch):>21} "
+            f"{size:>8} {series:>7}",
             flush=True,
         )
 
@@ -166,7 +175,8 @@ def measure_under_load(work: Workload, pairs: int, block: int, rate: float) -> N
     steps_needed = (pairs + 1) * 2 * block
     long = replace(work, batches=work.batches * -(-steps_needed // len(work.batches)))  # the same batches again
     shuffler = random.Random(0)
-    totals = {"quiet": 0.0, "scraped": 0.0}
+    wall = {"quiet": 0.0, "scraped": 0.0}
+    cpu = {"quiet": 0.0, "scraped": 0.0}
     ratios = []
     try:
         run = variant.prepare(long)
@@ -177,28 +187,41 @@ def measure_under_load(work: Workload, pairs: int, block: int, rate: float) -> N
             for pair in range(pairs + 1):  # pair 0 warms up
                 order = ["quiet", "scraped"]
                 shuffler.shuffle(order)
-                seconds = {}
+                took = {}
                 for condition in order:
                     load.switch(condition == "scraped")
-                    started = time.perf_counter()
+                    started, started_cpu = time.perf_counter(), time.process_time()
                     for _ in range(block):
                         next(steps)
-                    seconds[condition] = time.perf_counter() - started
+                    took[condition] = time.perf_counter() - started
+                    if pair > 0:
+                        wall[condition] += took[condition]
+                        cpu[condition] += time.process_time() - started_cpu
                 if pair > 0:
-                    ratios.append(seconds["scraped"] / seconds["quiet"])
-                    for condition, value in seconds.items():
-                        totals[condition] += value
+                    ratios.append(took["scraped"] / took["quiet"])
             load.switch(False)
         finally:
             summary = load.stop()
     finally:
         variant.close()
-    per_step = {condition: value / (pairs * block) for condition, value in totals.items()}
-    print(f"quiet    {per_step['quiet'] * 1e3:8.2f} ms/step (mean)")
-    print(f"scraped  {per_step['scraped'] * 1e3:8.2f} ms/step (mean)   ratio to quiet: "
-          f"{per_step['scraped'] / per_step['quiet']:.3f} overall, per pair {ratio_line(ratios)}")  # fmt: skip
+    steps_each = pairs * block
+    print(f"{'':<8} {'wall/step':>10} {'process CPU/step':>17}")
+    for condition in ("quiet", "scraped"):
+        per_step = wall[condition] / steps_each * 1e3, cpu[condition] / steps_each * 1e3
+        print(f"{condition:<8} {per_step[0]:>7.2f} ms {per_step[1]:>14.2f} ms")
+    print(f"ratio scraped/quiet: wall {wall['scraped'] / wall['quiet']:.3f} (per pair {ratio_line(ratios)}), "
+          f"process CPU {cpu['scraped'] / cpu['quiet']:.3f}")  # fmt: skip
     print(f"load generator: {summary.get('scrapes')} scrapes, {summary.get('errors')} errors, scrape latency "
           f"median {summary['median_seconds'] * 1e3:.2f} ms, p99 {summary['p99_seconds'] * 1e3:.2f} ms")  # fmt: skip
+    # The warm-up pair's scrapes are in the generator's count too: take the measured pairs' share.
+    scrapes = (summary.get("scrapes") or 0) * pairs / (pairs + 1)
+    if scrapes:
+        per_scrape = (cpu["scraped"] - cpu["quiet"]) / scrapes
+        interval = shipped_interval()[0]
+        share = per_scrape / seconds(interval) * 100
+        print(f"about {per_scrape * 1e3:.1f} ms of the training process's CPU per scrape: "
+              f"{share:.2f}% of one core at the shipped {interval} interval")  # fmt: skip
+    print("process CPU: all threads of the training process (the metrics server's included), not other processes")
 
 
 def main(argv: list[str] | None = None) -> None:
