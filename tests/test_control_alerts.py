@@ -114,3 +114,12 @@ def test_malformed_payloads_are_refused_with_a_one_line_reason(body, status, mes
 def test_an_unknown_action_on_a_resolved_alert_is_not_an_error():
     batch = parse_alert_payload(payload(alert("resolved", action="explode")))
     assert batch.ignored == ("none",)
+
+
+def test_an_alert_about_another_run_is_acknowledged_and_ignored():
+    batch = parse_alert_payload(payload(alert(action="reduce_lr", run_id="old-run")), run_id="new-run")
+    assert batch.requests == () and batch.ignored == ("reduce_lr",)
+    mine = parse_alert_payload(payload(alert(action="reduce_lr", run_id="new-run")), run_id="new-run")
+    assert [r.action for r in mine.requests] == ["reduce_lr"]
+    unlabelled = parse_alert_payload(payload(alert(action="checkpoint")), run_id="new-run")
+    assert [r.action for r in unlabelled.requests] == ["checkpoint"]

@@ -47,8 +47,12 @@ class AlertBatch:
     """Alerts Alertmanager left out of this payload (max_alerts)."""
 
 
-def parse_alert_payload(body: Any) -> AlertBatch:
-    """Check a decoded `/v1/alerts` body. Raises RequestError (400 shape, 422 meaning)."""
+def parse_alert_payload(body: Any, run_id: str | None = None) -> AlertBatch:
+    """Check a decoded `/v1/alerts` body. Raises RequestError (400 shape, 422 meaning).
+
+    With `run_id`, an alert labelled with another run's `run_id` is acknowledged and
+    ignored: a notification about an earlier run (still firing, or re-sent) that reaches
+    the control port of a new run must not act on it. Alerts without the label still act."""
     if not isinstance(body, dict):
         raise RequestError(400, f"body must be a JSON object, got {_json_type(body)}")
     version = body.get("version")
@@ -65,7 +69,7 @@ def parse_alert_payload(body: Any) -> AlertBatch:
     requests: list[ActionRequest] = []
     ignored: list[str] = []
     for index, alert in enumerate(alerts):
-        request = _parse_alert(alert, f"alerts[{index}]")
+        request = _parse_alert(alert, f"alerts[{index}]", run_id)
         if isinstance(request, ActionRequest):
             requests.append(request)
         else:
@@ -73,7 +77,7 @@ def parse_alert_payload(body: Any) -> AlertBatch:
     return AlertBatch(tuple(requests), tuple(ignored), truncated)
 
 
-def _parse_alert(alert: Any, where: str) -> ActionRequest | str:
+def _parse_alert(alert: Any, where: str, run_id: str | None) -> ActionRequest | str:
     """The alert's request, or the action label ("none" if absent) of an alert to ignore."""
     if not isinstance(alert, dict):
         raise RequestError(400, f"{where} must be an object, got {_json_type(alert)}")
@@ -85,7 +89,8 @@ def _parse_alert(alert: Any, where: str) -> ActionRequest | str:
     fingerprint = _key_part(alert.get("fingerprint"), f"{where}.fingerprint")
     starts_at = _key_part(alert.get("startsAt"), f"{where}.startsAt")
     action = labels.get("action")
-    if status != "firing" or action is None:
+    other_run = run_id is not None and labels.get("run_id", run_id) != run_id
+    if status != "firing" or action is None or other_run:
         # Bounded label value for the ignored counter: an unknown action name is not echoed.
         return action if action in ACTIONS else "none"
     name = labels.get("alertname", "unnamed")

@@ -164,7 +164,7 @@ def _post_action(deps: AppDeps, document: Any) -> _Answer:
 
 
 def _post_alerts(deps: AppDeps, document: Any) -> _Answer:
-    batch = parse_alert_payload(document)
+    batch = parse_alert_payload(document, deps.run_id)
     submitted = deps.queue.submit(batch.requests)
     # Counted only now: a refused notification changes nothing, metrics included.
     if batch.truncated:
