@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.parse
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.support import start_alertmanager, start_prometheus
+from tests.support import free_port, free_port_block, start_alertmanager, start_prometheus, unix_time
 from trainer._procs import Children
 from trainer.stack import REPO, Ports, derive_alertmanager_config, derive_prometheus_config
 
@@ -54,31 +52,6 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 def get_json(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_port_block(count: int) -> int:
-    """A base port whose `count` consecutive ports are free on loopback now."""
-    for _ in range(100):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        socks = [socket.socket() for _ in range(count)]
-        try:
-            for offset, sock in enumerate(socks):
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
 
 
 def local_ports(nproc: int) -> Ports:
@@ -213,14 +186,6 @@ class MonitoringStack:
 
     def log_tails(self, lines: int = 10) -> str:
         return "\n".join(f"--- {child.name} ---\n{child.log_tail(lines)}" for child in self.children)
-
-
-def unix_time(text: str) -> float:
-    """An RFC 3339 time from Prometheus/Alertmanager (nanoseconds allowed) as a Unix time."""
-    head, _, fraction = text.rstrip("Z").partition(".")
-    fraction = "".join(ch for ch in fraction if ch.isdigit())[:6]
-    stamp = datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00")
-    return stamp.timestamp()
 
 
 def _write(path: Path, config: dict[str, Any]) -> Path:

@@ -2,54 +2,28 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests import support
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _free_port_block(count: int) -> int:
-    """A base port whose `count` consecutive ports are free right now."""
-    for _ in range(200):
-        base = _free_port()
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no block of {count} free ports found")
 
 
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call to get a TCP port that is free on loopback right now."""
-    return _free_port
+    return support.free_port
 
 
 @pytest.fixture
 def free_port_block() -> Callable[[int], int]:
     """Call with n to get a base port whose n consecutive ports are free (one per rank)."""
-    return _free_port_block
+    return support.free_port_block
 
 
 # --- control endpoint (exporter.control) ----------------------------------------------------
@@ -64,7 +38,9 @@ def control_job(tmp_path_factory):
     jobs = []
 
     def start(control: dict | None = None, pg_timeout: float = 3.0) -> ControlJob:
-        job = ControlJob(tmp_path_factory.mktemp("control_job"), _free_port(), _free_port(), control, pg_timeout)
+        job = ControlJob(
+            tmp_path_factory.mktemp("control_job"), support.free_port(), support.free_port(), control, pg_timeout
+        )
         jobs.append(job)
         return job
 
@@ -126,7 +102,9 @@ def trainer_job(tmp_path_factory):
     jobs = []
 
     def start(name: str, settings=(), **kwargs) -> TrainerJob:
-        job = TrainerJob(tmp_path_factory.mktemp(name), _free_port(), _free_port_block(2), settings, **kwargs)
+        job = TrainerJob(
+            tmp_path_factory.mktemp(name), support.free_port(), support.free_port_block(2), settings, **kwargs
+        )
         jobs.append(job)
         return job
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
@@ -250,3 +252,38 @@ class WebhookSink:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """A base port whose `count` consecutive ports are free right now (one per rank)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for offset in range(count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no block of {count} free ports found")
+
+
+def unix_time(rfc3339: str) -> float:
+    """An RFC 3339 time from Prometheus or Alertmanager (nanoseconds allowed) as unix time."""
+    head, _, fraction = rfc3339.rstrip("Z").partition(".")
+    fraction = "".join(ch for ch in fraction if ch.isdigit())[:6]
+    return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00").timestamp()

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def straggler_job(tmp_path_factory):
     """Rank 1 sleeps 30 ms inside each step; both ranks serve /metrics when done."""
-    from tests.conftest import _free_port, _free_port_block
+    from tests.support import free_port, free_port_block
 
     out = tmp_path_factory.mktemp("exporter_job")
-    base = _free_port_block(2)
+    base = free_port_block(2)
     log = out / "torchrun.log"
     proc = torchrun(
         2,
@@ -33,7 +33,7 @@ def straggler_job(tmp_path_factory):
             "--slow-seconds",
             "0.03",
         ],
-        master_port=_free_port(),
+        master_port=free_port(),
         log=log,
     )
     try:

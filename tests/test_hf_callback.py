@@ -240,16 +240,16 @@ def _hold_paused(job: _Job, step: float, seconds: float) -> None:
 def controlled_run(tmp_path_factory):
     """2 processes steered over HTTP: reduce_lr and checkpoint, a pause longer than the process group's
     timeout, resume, then stop. Yields what the tests check."""
-    from tests.conftest import _free_port, _free_port_block
+    from tests.support import free_port, free_port_block
 
     out = tmp_path_factory.mktemp("hf_torchrun")
-    job = _Job(_free_port_block(2), _free_port(), secrets.token_hex(16), out / "torchrun.log")
+    job = _Job(free_port_block(2), free_port(), secrets.token_hex(16), out / "torchrun.log")
     target = ["examples/hf_trainer.py", "--output-dir", str(out), "--max-steps", "100000"]
     target += ["--ddp-timeout", str(DDP_TIMEOUT), "--module-stats-every", "2"]
     target += ["--metrics-host", "127.0.0.1", "--base-port", str(job.base_port)]
     target += ["--control", "--control-port", job.control.rsplit(":", 1)[1]]
     env = {"RANKSCOPE_CONTROL_TOKEN": job.token}
-    proc = torchrun(2, target, master_port=_free_port(), extra_env=env, log=job.log)
+    proc = torchrun(2, target, master_port=free_port(), extra_env=env, log=job.log)
     try:
         wait_for(
             lambda: proc.poll() is not None or min(job.both("rankscope_steps_total")) >= 3,

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.conftest import _free_port_block
 from tests.e2e.harness import LATENCIES, Stack
+from tests.support import free_port_block
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -35,7 +35,7 @@ def stack(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[[str], 
     def start(name: str) -> Stack:
         workdir = tmp_path / name
         workdir.mkdir()
-        started.append(Stack(workdir, name, _free_port_block))
+        started.append(Stack(workdir, name, free_port_block))
         return started[-1]
 
     yield start
@@ -52,7 +52,7 @@ def module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     started: list[Stack] = []
 
     def start(name: str) -> Stack:
-        started.append(Stack(tmp_path_factory.mktemp(name), name, _free_port_block))
+        started.append(Stack(tmp_path_factory.mktemp(name), name, free_port_block))
         return started[-1]
 
     yield start

@@ -35,7 +35,17 @@ import requests
 import yaml
 
 from tests.jobs.trainer_job import TrainerJob
-from tests.support import REPO, WebhookSink, fetch, sample_value, samples, start_alertmanager, start_prometheus, tail
+from tests.support import (
+    REPO,
+    WebhookSink,
+    fetch,
+    sample_value,
+    samples,
+    start_alertmanager,
+    start_prometheus,
+    tail,
+    unix_time,
+)
 from trainer._procs import Children
 from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 
@@ -438,12 +448,3 @@ def record_latency(scenario: str, fault_at: float, stack: Stack, action: dict[st
         f"({pending}webhook received +{action['received_at'] - fault_at:.1f}s, applied at step {action['step']})"
     )
     return total
-
-
-def unix_time(rfc3339: str) -> float:
-    """An RFC 3339 time from Prometheus or Alertmanager as unix time."""
-    from datetime import datetime
-
-    # Prometheus gives nanoseconds; datetime takes microseconds.
-    head, _, rest = rfc3339.rstrip("Z").partition(".")
-    return datetime.fromisoformat(f"{head}.{(rest or '0')[:6]}+00:00").timestamp()
