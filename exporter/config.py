@@ -46,19 +46,14 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         self.probes = tuple(self.probes)
-        try:
-            ipaddress.ip_address(self.host)
-        except ValueError:
-            if not self.host or " " in self.host:
-                raise ValueError(f"metrics.host must be an IP address or host name, got {self.host!r}") from None
-        if not 0 <= self.base_port <= 65535:
-            raise ValueError(f"metrics.base_port must be between 0 and 65535, got {self.base_port}")
-        _at_least("metrics.port_fallback", self.port_fallback, 0)
-        _at_least("metrics.resolve_every_n_steps", self.resolve_every_n_steps, 1)
-        _at_least("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, 0)
-        _at_least("metrics.max_module_groups", self.max_module_groups, 1)
-        _at_least("metrics.spike_window", self.spike_window, 2)
-        _at_least("metrics.spike_patience", self.spike_patience, 1)
+        check_host("metrics.host", self.host)
+        check_port("metrics.base_port", self.base_port)
+        at_least("metrics.port_fallback", self.port_fallback, 0)
+        at_least("metrics.resolve_every_n_steps", self.resolve_every_n_steps, 1)
+        at_least("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, 0)
+        at_least("metrics.max_module_groups", self.max_module_groups, 1)
+        at_least("metrics.spike_window", self.spike_window, 2)
+        at_least("metrics.spike_patience", self.spike_patience, 1)
         if not self.spike_ratio > 1.0:
             raise ValueError(f"metrics.spike_ratio must be greater than 1, got {self.spike_ratio}")
         unknown = set(self.probes) - {"host", "device", "nvml"}
@@ -66,7 +61,23 @@ class MonitorConfig:
             raise ValueError(f"metrics.probes has unknown probe(s) {sorted(unknown)}; known: device, host, nvml")
 
 
-def _at_least(name: str, value: int, minimum: int) -> None:
+def check_host(name: str, host: str) -> None:
+    """An IP address or a host name (no blanks); the error names the setting."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not host or any(c.isspace() for c in host):
+            raise ValueError(f"{name} must be an IP address or host name, got {host!r}") from None
+
+
+def check_port(name: str, port: int) -> None:
+    """A TCP port, 0 meaning "pick a free one"."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be between 0 and 65535, got {port!r}")
+
+
+def at_least(name: str, value: int, minimum: int) -> None:
+    """An integer >= minimum; the error names the setting."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import _at_least
+from ..config import at_least, check_host, check_port
 
 __all__ = ["ControlConfig", "load_token"]
 
@@ -59,20 +58,15 @@ class ControlConfig:
     """Seconds after an applied `checkpoint` during which another is refused (0 = none)."""
 
     def __post_init__(self) -> None:
-        try:
-            ipaddress.ip_address(self.host)
-        except ValueError:
-            if not self.host or any(c.isspace() for c in self.host):
-                raise ValueError(f"control.host must be an IP address or host name, got {self.host!r}") from None
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"control.port must be between 0 and 65535, got {self.port!r}")
-        _at_least("control.max_body_bytes", self.max_body_bytes, 256)
-        _at_least("control.max_pending", self.max_pending, 1)
-        _at_least("control.recent_actions", self.recent_actions, 1)
-        _at_least("control.check_every_n_steps", self.check_every_n_steps, 1)
-        _at_least("control.lr_cooldown_steps", self.lr_cooldown_steps, 0)
-        _at_least("control.lr_max_reductions", self.lr_max_reductions, 0)
-        _at_least("control.checkpoint_cooldown_steps", self.checkpoint_cooldown_steps, 0)
+        check_host("control.host", self.host)
+        check_port("control.port", self.port)
+        at_least("control.max_body_bytes", self.max_body_bytes, 256)
+        at_least("control.max_pending", self.max_pending, 1)
+        at_least("control.recent_actions", self.recent_actions, 1)
+        at_least("control.check_every_n_steps", self.check_every_n_steps, 1)
+        at_least("control.lr_cooldown_steps", self.lr_cooldown_steps, 0)
+        at_least("control.lr_max_reductions", self.lr_max_reductions, 0)
+        at_least("control.checkpoint_cooldown_steps", self.checkpoint_cooldown_steps, 0)
         if not 0.0 < self.pause_heartbeat_seconds <= 10.0:
             raise ValueError(
                 f"control.pause_heartbeat_seconds must be in (0, 10], got {self.pause_heartbeat_seconds!r}"
