@@ -28,8 +28,8 @@ The variants:
   norms and update ratios, device values resolved every step, the non-finite
   guard (no trainer statistics).
 - ``rankscope all on``: every optional probe at every step: module norms and update
-  ratios, multimodal statistics (an extra text-encoder forward for attention
-  entropy), accuracy, device values resolved every step, the non-finite guard.
+  ratios, multimodal statistics (attention entropy read from the training
+  forward), accuracy, device values resolved every step, the non-finite guard.
 - ``hand-written``: the style of many tutorials: `psutil` calls, `.item()` on the
   loss and on every parameter's gradient norm, TensorBoard `SummaryWriter`
   scalars and a gradient histogram per parameter, every step.
@@ -41,6 +41,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,10 @@ class Run:
         return logits, contrastive_loss(logits)
 
     def clip(self) -> torch.Tensor:
+        """As the trainer clips: through the monitor when there is one (it shares the norms it computes)."""
         max_norm = self.work.cfg.optim.grad_clip or float("inf")
+        if self.monitor is not None:
+            return self.monitor.clip_grad_norm_(self.ddp.parameters(), max_norm)
         return torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), max_norm)
 
     def update(self, apply: bool = True) -> None:
@@ -173,15 +177,19 @@ def _monitored_loop(stats_every: int | None, accuracy: bool) -> Callable[[Run], 
         every = run.work.cfg.run.stats_every if stats_every is None else stats_every
         for batch in monitor.data(run.work.batches):
             with monitor.step(samples=len(batch), tokens=batch.tokens) as step:
-                logits, loss = run.forward_loss(batch)
+                due = every and step.index % every == 0
+                # As the trainer does: on statistics steps, attention entropy comes from the training forward.
+                recording = run.model.recording_attention_entropy(batch.attention_mask) if due else nullcontext()
+                with recording as attention:
+                    logits, loss = run.forward_loss(batch)
                 loss.backward()
                 norm = run.clip()
                 run.update(step.record(loss=loss, grad_norm=norm))
             if accuracy:
                 record_accuracy(monitor, contrastive_accuracy(logits.detach()), split="train")
-            if every and step.index % every == 0:
+            if due:
                 record_batch_stats(monitor, batch, batch.images)
-                record_model_stats(monitor, run.model, batch)
+                record_model_stats(monitor, run.model, batch, attention.value())
             yield
 
     return loop

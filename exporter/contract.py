@@ -167,7 +167,8 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m(
         "module_grad_norm",
         _G,
-        "Gradient L2 norm per top-level module group (sampled on an interval).",
+        "Gradient L2 norm per top-level module group (sampled on an interval; before clipping when the loop "
+        "clips with Monitor.clip_grad_norm_).",
         labels=("module",),
     ),
     _m(

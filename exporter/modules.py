@@ -1,18 +1,23 @@
 """Per-module gradient norms and update ratios, on an interval.
 
 Modules are grouped by the model's top-level children (a bounded `module`
-label: at most `max_groups`, the rest share "other"). Norms use fused
-multi-tensor ops (`torch._foreach_norm`) and stay on the device; the monitor
-resolves them with its batched transfer.
+label: at most `max_groups`, the rest share "other"). Every statistic is one
+vector with a value per group, computed with a handful of fused ops whatever
+the number of parameters, and stays on the device; the monitor resolves it
+with its batched transfer.
 
 Update ratio = ||param_after - param_before|| / ||param_before|| per group,
-from optimizer step hooks (public Optimizer API): the pre-hook snapshots the
-parameters on due steps only, so other steps cost nothing.
+from optimizer step hooks (public Optimizer API): on due steps only, the
+pre-hook copies the parameters into one flat float32 buffer per device (laid
+out group by group, so a group is a slice) and the post-hook subtracts the
+new values in place and frees the buffer. Other steps cost nothing and hold
+no copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +25,7 @@ from torch import nn
 
 __all__ = ["ModuleStats", "module_groups"]
 
-Sink = Callable[[str, str, torch.Tensor], None]  # (metric suffix, group, scalar tensor)
+Sink = Callable[[str, list[str], torch.Tensor], None]  # (metric suffix, group names, one value per group)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -48,56 +53,229 @@ def module_groups(model: nn.Module, max_groups: int) -> dict[str, list[nn.Parame
     return groups
 
 
-def _group_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+@dataclass
+class _DeviceShard:
+    """The parameters that live on one device, in group order, with where each group's slice starts and ends."""
+
+    device: torch.device
+    params: list[nn.Parameter] = field(default_factory=list)
+    group_of: list[int] = field(default_factory=list)  # group index of each parameter
+    bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (group index, first element, end)
+    bound_groups: torch.Tensor | None = None  # the group index of each entry of `bounds`, on the device
+    _index_cache: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    _snapshot: _FlatSnapshot | None = None
+
+    def group_index(self, present: tuple[bool, ...]) -> torch.Tensor:
+        """Group index of each present parameter, as a device tensor built once per pattern (no copy per step)."""
+        found = self._index_cache.get(present)
+        if found is None:
+            chosen = [group for group, there in zip(self.group_of, present, strict=True) if there]
+            found = self._index_cache[present] = torch.tensor(chosen, dtype=torch.long, device=self.device)
+        return found
+
+    def snapshot(self) -> _FlatSnapshot:
+        if self._snapshot is None:
+            self._snapshot = _FlatSnapshot(self)
+        return self._snapshot
+
+
+class _FlatSnapshot:
+    """One float32 buffer holding a copy of a shard's parameters, with a view shaped like each of them.
+
+    The views are built once (building 100s of views costs more than the copy itself); the memory
+    behind them is allocated only while a snapshot is held (`take` .. `release`).
+    """
+
+    def __init__(self, shard: _DeviceShard) -> None:
+        self.flat = torch.empty(shard.bounds[-1][2], dtype=torch.float32, device=shard.device)
+        self._bytes = self.flat.untyped_storage().nbytes()
+        offsets = [0]
+        for param in shard.params:
+            offsets.append(offsets[-1] + param.numel())
+        self.views = [
+            self.flat.narrow(0, offset, param.numel()).view(param.shape)
+            for offset, param in zip(offsets, shard.params, strict=False)
+        ]
+        self.group_slices = [self.flat[start:end] for _, start, end in shard.bounds]
+        self.release()
+
+    def take(self, params: list[nn.Parameter]) -> None:
+        self.flat.untyped_storage().resize_(self._bytes)
+        torch._foreach_copy_(self.views, params)
+
+    def subtract(self, params: list[nn.Parameter]) -> None:
+        torch._foreach_sub_(self.views, params)  # the buffer now holds before - after
+
+    def release(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+
+def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
+    by_device: dict[torch.device, _DeviceShard] = {}
+    for index, params in enumerate(groups.values()):
+        for param in params:
+            shard = by_device.setdefault(param.device, _DeviceShard(param.device))
+            shard.params.append(param)
+            shard.group_of.append(index)
+    for shard in by_device.values():
+        start = 0
+        for index in sorted(set(shard.group_of)):
+            end = start + sum(p.numel() for p, g in zip(shard.params, shard.group_of, strict=True) if g == index)
+            shard.bounds.append((index, start, end))
+            start = end
+        shard.bound_groups = torch.tensor([b[0] for b in shard.bounds], dtype=torch.long, device=shard.device)
+        # Group order within the shard, so each group is one slice of the flat snapshot.
+        order = sorted(range(len(shard.params)), key=lambda i: shard.group_of[i])
+        shard.params = [shard.params[i] for i in order]
+        shard.group_of = [shard.group_of[i] for i in order]
+    return list(by_device.values())
+
+
+def _combine_norms(per_device: list[torch.Tensor]) -> torch.Tensor:
+    """Per-group 2-norms from the per-group norms of each device's share (on the first device)."""
+    if len(per_device) == 1:
+        return per_device[0]
+    first = per_device[0].device
+    return torch.stack([norms.to(first) for norms in per_device]).square().sum(dim=0).sqrt()
 
 
 class ModuleStats:
-    """Computes the interval statistics and hands tensors to `sink`."""
+    """Computes the interval statistics and hands one tensor per metric to `sink`."""
 
-    def __init__(self, model: nn.Module, optimizer: Any | None, every: int, max_groups: int, sink: Sink) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any | None,
+        every: int,
+        max_groups: int,
+        sink: Sink,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.groups = module_groups(model, max_groups)
+        self._names = list(self.groups)
+        self._shards = _shards(self.groups)
         self._every = every
         self._sink = sink
         self._due = False
-        self._before: dict[str, list[torch.Tensor]] | None = None
+        self._grad_norms_recorded = False
+        self._snapshots: list[tuple[_DeviceShard, _FlatSnapshot, torch.Tensor]] | None = None
+        self._on_error = on_error
         self._handles = []
         if optimizer is not None and every > 0:
-            self._handles.append(optimizer.register_step_pre_hook(self._snapshot))
-            self._handles.append(optimizer.register_step_post_hook(self._update_ratios))
+            self._handles.append(optimizer.register_step_pre_hook(self._guarded(self._snapshot)))
+            self._handles.append(optimizer.register_step_post_hook(self._guarded(self._update_ratios)))
+
+    def _guarded(self, hook: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+        # These run inside the user's optimizer.step(): a failure here is reported, never raised into it.
+        def run(optimizer: Any, args: Any, kwargs: Any) -> None:
+            try:
+                hook(optimizer, args, kwargs)
+            except Exception as exc:
+                self._drop_snapshots()
+                if self._on_error is None:
+                    raise
+                self._on_error(exc)
+
+        return run
 
     def begin_step(self, step: int) -> None:
         self._due = self._every > 0 and step % self._every == 0
+        self._grad_norms_recorded = False
 
     def record_grad_norms(self) -> None:
         """Call after backward, while the gradients are there (the step context does)."""
+        if not self._due or self._grad_norms_recorded:
+            return
+        with torch.no_grad():
+            squares = self._grad_norm_squares()
+            if squares is not None:
+                self._sink("module_grad_norm", self._names, squares.sqrt())
+        self._grad_norms_recorded = True
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """Clip gradients to a total 2-norm of `max_norm` as `torch.nn.utils.clip_grad_norm_` does, computing
+        each gradient's norm once for both the clipping and this step's module grad norms.
+
+        Returns the total norm (before clipping), or None when sharing does not apply (the module norms
+        are not due, or `parameters` are not exactly the watched ones): then clip with torch as usual."""
+        if not self._due or self._grad_norms_recorded or not self._shards:
+            return None
+        with_grads = {id(p) for p in parameters if p.grad is not None}
+        if with_grads != {id(p) for shard in self._shards for p in shard.params if p.grad is not None}:
+            return None
+        with torch.no_grad():
+            squares = self._grad_norm_squares()
+            if squares is None:
+                return None
+            total = squares.sum().sqrt()
+            # As torch does: one multiply by min(1, max_norm / (total + 1e-6)), no host-device sync.
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for shard in self._shards:
+                grads = [p.grad for p in shard.params if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coefficient.to(shard.device))
+        self._grad_norms_recorded = True
+        try:  # the gradients are clipped: from here on a failure must not make the caller clip again
+            self._sink("module_grad_norm", self._names, squares.sqrt())
+        except Exception as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
+        return total
+
+    def _grad_norm_squares(self) -> torch.Tensor | None:
+        """Squared gradient 2-norm per group (float32, on the first shard's device); None without gradients."""
+        squares = None
+        for shard in self._shards:
+            grads = [p.grad for p in shard.params]
+            present = tuple(g is not None for g in grads)
+            if not any(present):
+                continue
+            norms = torch.stack(torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float32))
+            per_group = torch.zeros(len(self._names), device=shard.device)
+            per_group.index_add_(0, shard.group_index(present), norms.square())
+            squares = per_group if squares is None else squares + per_group.to(squares.device)
+        return squares
+
+    def _snapshot(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._due:
             return
         with torch.no_grad():
-            for name, params in self.groups.items():
-                grads = [p.grad for p in params if p.grad is not None]
-                if grads:
-                    self._sink("module_grad_norm", name, _group_norm(grads))
-
-    def _snapshot(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._due:
-            with torch.no_grad():
-                self._before = {name: [p.detach().clone() for p in params] for name, params in self.groups.items()}
+            self._snapshots = []
+            for shard in self._shards:
+                snapshot = shard.snapshot()
+                snapshot.take(shard.params)
+                self._snapshots.append((shard, snapshot, self._group_norms(shard, snapshot)))
 
     def _update_ratios(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        before, self._before = self._before, None
-        if before is None:
+        snapshots, self._snapshots = self._snapshots, None
+        if not snapshots:
             return
         with torch.no_grad():
-            for name, params in self.groups.items():
-                after = [p.detach() for p in params]
-                delta = torch._foreach_sub(after, before[name])
-                # Tiny epsilon: a zero-initialised group must not divide by zero.
-                ratio = _group_norm(delta) / (_group_norm(before[name]) + 1e-12)
-                self._sink("update_ratio", name, ratio)
+            deltas, befores = [], []
+            for shard, snapshot, before in snapshots:
+                snapshot.subtract(shard.params)
+                deltas.append(self._group_norms(shard, snapshot))
+                befores.append(before)
+                snapshot.release()
+            delta, before = _combine_norms(deltas), _combine_norms(befores)
+            # Tiny epsilon: a zero-initialised group must not divide by zero.
+            self._sink("update_ratio", self._names, delta / (before + 1e-12))
+
+    def _group_norms(self, shard: _DeviceShard, snapshot: _FlatSnapshot) -> torch.Tensor:
+        """Each group's norm over its slice of the buffer (zero for groups with no parameter on this device)."""
+        norms = torch.stack(torch._foreach_norm(snapshot.group_slices))
+        if len(shard.bounds) == len(self._names):
+            return norms
+        return torch.zeros(len(self._names), device=shard.device).index_copy_(0, shard.bound_groups, norms)
+
+    def _drop_snapshots(self) -> None:
+        for _, snapshot, _ in self._snapshots or ():
+            snapshot.release()
+        self._snapshots = None
 
     def close(self) -> None:
+        self._drop_snapshots()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -154,7 +154,12 @@ class Monitor:
         if self._modules is not None:
             self._modules.close()
         self._modules = ModuleStats(
-            model, optimizer, self.config.module_stats_every_n_steps, self.config.max_module_groups, self._module_sink
+            model,
+            optimizer,
+            self.config.module_stats_every_n_steps,
+            self.config.max_module_groups,
+            self._module_sink,
+            on_error=lambda exc: self._fail("module_stats", exc),
         )
 
     def attach_comm_hook(self, ddp_model: Any) -> None:
@@ -204,6 +209,29 @@ class Monitor:
         seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._data_wait)
         self._finish_step(context, seconds, samples, tokens)
 
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_`, sharing its work with the module grad norms.
+
+        Same arguments and result. On steps where module grad norms are due and `parameters`
+        are the watched model's, each gradient's norm is computed once for both (one pass over
+        the gradients instead of two); otherwise this is torch's function."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if self._modules is not None and norm_type == 2.0 and not error_if_nonfinite:
+            try:
+                total = self._modules.clip_grad_norm_(params, max_norm)
+            except Exception as exc:  # monitoring must never break the step: clip the plain way
+                self._fail("module_stats", exc)
+                total = None
+            if total is not None:
+                return total
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
     def set_step(self, step: int) -> None:
         """Continue counting from `step` (after resuming from a checkpoint)."""
         self.global_step = step
@@ -217,6 +245,26 @@ class Monitor:
         """Set a gauge from the contract (short or full name); tensors are resolved lazily."""
         child = self.instruments.child(_full(name), **labels)
         self._deferred.add(value, lambda values: child.set(values[-1]))
+
+    def set_each(
+        self, name: str, values: torch.Tensor | Sequence[Number], label: str, keys: Sequence[str], **labels: str
+    ) -> None:
+        """Set one gauge child per key: the child with `label=keys[i]` gets `values[i]`.
+
+        A tensor is resolved as one value (one entry in the batched transfer), cheaper than a
+        `set()` per element."""
+        if len(values) != len(keys):
+            raise ValueError(f"set_each({name!r}): {len(values)} values for {len(keys)} {label} keys")
+        children = [self.instruments.child(_full(name), **labels, **{label: key}) for key in keys]
+
+        def _set(resolved: list[float]) -> None:
+            for child, number in zip(children, resolved, strict=True):
+                child.set(number)
+
+        if isinstance(values, torch.Tensor):
+            self._deferred.add(values, _set)
+        else:
+            _set([float(v) for v in values])
 
     def inc(self, name: str, amount: Value = 1, **labels: str) -> None:
         """Increase a counter from the contract."""
@@ -320,8 +368,8 @@ class Monitor:
         if values and values[-1]:
             self._metric["nonfinite_steps_total"].inc()
 
-    def _module_sink(self, metric: str, group: str, value: torch.Tensor) -> None:
-        self.set(metric, value, module=group)
+    def _module_sink(self, metric: str, groups: list[str], values: torch.Tensor) -> None:
+        self.set_each(metric, values, "module", groups)
 
     def _fail(self, probe: str, exc: BaseException) -> None:
         self.record_error(probe)

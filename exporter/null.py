@@ -53,6 +53,12 @@ class NullMonitor:
         self.global_step += 1
         yield _NullStep(self.global_step)
 
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> Any:  # fmt: skip
+        import torch  # here: the null monitor is importable without torch until it is needed
+
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+
     def set_step(self, step: int) -> None:
         self.global_step = step
 
@@ -60,6 +66,9 @@ class NullMonitor:
         return None
 
     def set(self, name: str, value: Any, **labels: str) -> None:
+        return None
+
+    def set_each(self, name: str, values: Any, label: str, keys: Any, **labels: str) -> None:
         return None
 
     def inc(self, name: str, amount: Any = 1, **labels: str) -> None:

@@ -184,3 +184,72 @@ def test_run_finished_is_0_while_training_and_1_after_finish():
     assert value(monitor, "rankscope_run_finished") == 1
     assert value(monitor, "rankscope_steps_total") == 3
     NullMonitor().finish()  # the same call when monitoring is off
+
+
+def test_set_each_sets_one_child_per_key_from_a_tensor_or_a_list():
+    monitor = make()
+    monitor.set_each("image_channel_mean", torch.tensor([0.5, -0.25, 1.0]), "channel", ("r", "g", "b"))
+    assert [value(monitor, "rankscope_image_channel_mean", channel=c) for c in "rgb"] == [0.5, -0.25, 1.0]
+    monitor.set_each("contrastive_accuracy_ratio", [0.75, 0.5], "direction", ("image_to_text", "text_to_image"),
+                     split="val")  # fmt: skip
+    assert value(monitor, "rankscope_contrastive_accuracy_ratio", split="val", direction="text_to_image") == 0.5
+    with pytest.raises(ValueError, match="2 values for 3 channel keys"):
+        monitor.set_each("image_channel_mean", [1.0, 2.0], "channel", ("r", "g", "b"))
+
+
+def test_monitor_and_null_monitor_offer_the_same_public_methods():
+    public = {name for name in dir(Monitor) if not name.startswith("_") and callable(getattr(Monitor, name))}
+    missing = {name for name in public if not hasattr(NullMonitor, name)}
+    assert not missing, f"NullMonitor lacks {sorted(missing)}"
+
+
+def _twin_models_with_gradients():
+    a, b = tiny_model(), tiny_model()
+    batch = torch.randn(8, 4)
+    for model in (a, b):
+        (model(batch).pow(2).mean() * 50).backward()  # large gradients: clipping is active
+    return a, b
+
+
+@pytest.mark.parametrize("due", [True, False])
+def test_clip_grad_norm_matches_torch_and_shares_its_norms_on_due_steps(due):
+    monitor = make(module_stats_every_n_steps=1 if due else 1000)
+    mine, reference = _twin_models_with_gradients()
+    monitor.watch(mine, torch.optim.SGD(mine.parameters(), lr=0.1))
+    expected_groups = {name: torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in child.parameters()]))
+                       for name, child in mine.named_children()}  # fmt: skip
+    with monitor.step() as step:
+        total = monitor.clip_grad_norm_(mine.parameters(), 0.5)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        step.record(grad_norm=total)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6) and total.item() > 0.5
+    for p, q in zip(mine.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    for name, norm in expected_groups.items():
+        found = value(monitor, "rankscope_module_grad_norm", module=name)
+        # Due: measured once, before clipping. Not due: not measured at all.
+        assert found == pytest.approx(norm.item(), rel=1e-5) if due else found is None
+
+
+def test_clip_grad_norm_of_other_parameters_is_torch_s_and_module_norms_still_come():
+    monitor = make(module_stats_every_n_steps=1)
+    mine, reference = _twin_models_with_gradients()
+    monitor.watch(mine)
+    with monitor.step() as step:
+        total = monitor.clip_grad_norm_(mine.encoder.parameters(), 0.5)  # a subset: no sharing
+        expected = torch.nn.utils.clip_grad_norm_(reference.encoder.parameters(), 0.5)
+        step.record(grad_norm=total)
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.allclose(mine.encoder.weight.grad, reference.encoder.weight.grad)
+    assert torch.equal(mine.head.weight.grad, reference.head.weight.grad)  # untouched by either
+    assert value(monitor, "rankscope_module_grad_norm", module="head") > 0  # recorded at step.record()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        mine.head.weight.grad[0, 0] = float("nan")
+        monitor.clip_grad_norm_(mine.parameters(), 0.5, error_if_nonfinite=True)  # torch's own check
+
+
+def test_null_monitor_clips_with_torch():
+    _, model = _twin_models_with_gradients()
+    total = NullMonitor().clip_grad_norm_(model.parameters(), 0.5)
+    assert total.item() > 0.5
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) <= 0.5 + 1e-5

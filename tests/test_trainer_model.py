@@ -94,3 +94,30 @@ def test_the_fusion_gate_and_temperature_are_parameters_the_optimizer_trains(sha
     names = {name for name, _ in model.named_parameters()}
     assert {"fusion.gate.weight", "logit_scale"} <= names
     assert (1 / model.scale()).item() == pytest.approx(0.05)
+
+
+def test_attention_entropy_read_from_the_training_forward_equals_a_separate_eval_pass(shapes_batch) -> None:
+    tok, batch = shapes_batch
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(text_layers=3), tok.vocab_size, tok.max_length, tok.pad_id)
+    layers = [layer.attention.self for layer in model.text_encoder.encoder.layer]
+    hooks_before = [len(layer._forward_hooks) for layer in layers]  # transformers may add its own
+    with model.recording_attention_entropy(batch.attention_mask) as record:
+        assert [len(layer._forward_hooks) for layer in layers] == [n + 1 for n in hooks_before]
+        model(batch.images, batch.input_ids, batch.attention_mask).sum().backward()  # a training step's forward
+    assert [len(layer._forward_hooks) for layer in layers] == hooks_before  # removed after the block
+    separate = attention_entropy(model.text_attentions(batch.input_ids, batch.attention_mask), batch.attention_mask)
+    assert record.value() is not None
+    assert torch.allclose(record.value(), separate, atol=1e-6)
+
+
+def test_with_attention_dropout_in_training_nothing_is_recorded_and_eval_mode_still_is(shapes_batch) -> None:
+    tok, batch = shapes_batch
+    model = build_model(ModelConfig(dropout=0.1), tok.vocab_size, tok.max_length, tok.pad_id)
+    with model.recording_attention_entropy(batch.attention_mask) as record:
+        model(batch.images, batch.input_ids, batch.attention_mask)
+    assert record.value() is None  # dropped-out maps are not distributions: the caller measures separately
+    model.eval()
+    with model.recording_attention_entropy(batch.attention_mask) as record:
+        model(batch.images, batch.input_ids, batch.attention_mask)
+    assert record.value() is not None and record.value().shape == (2,)

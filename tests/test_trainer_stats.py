@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from exporter import Monitor, MonitorConfig, RankIdentity
 from trainer.config import ModelConfig
 from trainer.data import Collate, ShapesDataset, image_transform
 from trainer.model import build_model
-from trainer.stats import record_accuracy, record_batch_stats, record_model_stats
+from trainer.stats import channel_mean_std, record_accuracy, record_batch_stats, record_model_stats
 from trainer.tokenizer import WordTokenizer
 
 LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
@@ -70,3 +71,21 @@ def test_accuracy_is_recorded_per_split_and_direction(monitor) -> None:
     assert (
         value("rankscope_contrastive_accuracy_ratio", {**LABELS, "split": "val", "direction": "text_to_image"}) == 0.25
     )
+
+
+def test_model_statistics_use_the_entropy_read_from_the_training_forward(monitor, batch_and_model) -> None:
+    batch, model = batch_and_model
+    record_model_stats(monitor, model, batch, torch.tensor([0.5, 1.5]))
+    value = monitor.registry.get_sample_value
+    assert value("rankscope_attention_entropy_nats", {**LABELS, "layer": "0"}) == 0.5
+    assert value("rankscope_attention_entropy_nats", {**LABELS, "layer": "1"}) == 1.5
+
+
+@pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (3.0, 1.0), (120.0, 60.0)])  # normalised .. raw 0-255 pixels
+def test_channel_statistics_match_torch_over_batch_and_pixels(offset: float, scale: float) -> None:
+    torch.manual_seed(0)
+    images = torch.randn(6, 3, 10, 12) * torch.tensor([1.0, 2.0, 0.5])[None, :, None, None] * scale + offset
+    mean, std = channel_mean_std(images)
+    reference_std, reference_mean = torch.std_mean(images.transpose(0, 1).reshape(3, -1).double(), dim=1)
+    assert torch.allclose(mean.double(), reference_mean, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(std.double(), reference_std, rtol=1e-5)

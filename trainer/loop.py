@@ -168,14 +168,21 @@ class Trainer:
             self.faults.at_step_start(step.index, self.optimizer, self.scheduler)
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (host float, no sync)
             on_device = batch.to(self.rt.device)
-            with self._autocast():
+            stats_due = self._due_at(step.index, self.cfg.run.stats_every)
+            # On statistics steps the attention entropy is read from this very forward (no extra pass).
+            recording = (
+                self.model.module.recording_attention_entropy(on_device.attention_mask)
+                if stats_due
+                else contextlib.nullcontext(None)
+            )
+            with self._autocast(), recording as attention:
                 logits = self.model(on_device.images, on_device.input_ids, on_device.attention_mask)
                 loss = contrastive_loss(logits)
             loss = self.faults.after_forward(step.index, loss)
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)
             max_norm = self.cfg.optim.grad_clip or math.inf
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = self.monitor.clip_grad_norm_(self.model.parameters(), max_norm)
             if step.record(loss=loss, grad_norm=norm):
                 self.scaler.step(self.optimizer)
             self.scaler.update()  # also after a skipped step, so an fp16 scale can shrink
@@ -185,9 +192,9 @@ class Trainer:
         accuracy = contrastive_accuracy(logits.detach())
         record_accuracy(self.monitor, accuracy, split="train")
         self.log.record_step(self.step, loss, accuracy, lr)
-        if self._due(self.cfg.run.stats_every):
+        if stats_due:
             record_batch_stats(self.monitor, batch, on_device.images)
-            record_model_stats(self.monitor, self.model.module, on_device)
+            record_model_stats(self.monitor, self.model.module, on_device, attention.value())
 
     def _at_step_boundary(self) -> None:
         run = self.cfg.run
@@ -203,7 +210,11 @@ class Trainer:
             self.save_checkpoint("interval")
 
     def _due(self, every: int) -> bool:
-        return every > 0 and self.step % every == 0
+        return self._due_at(self.step, every)
+
+    @staticmethod
+    def _due_at(step: int, every: int) -> bool:
+        return every > 0 and step % every == 0
 
     def _finish(self) -> None:
         self.log.flush()

@@ -14,6 +14,8 @@ symmetric cross-entropy over in-batch negatives (each rank's own batch).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from torchvision.models.resnet import BasicBlock, ResNet
 from transformers import BertConfig, BertModel
 
 __all__ = [
+    "AttentionEntropyRecord",
     "DualEncoder",
     "GatedFusion",
     "attention_entropy",
@@ -62,6 +65,20 @@ def _image_encoder(cfg) -> tuple[nn.Module, int]:
     resnet = ResNet(BasicBlock, [cfg.image_layers] * 4)
     resnet.fc = nn.Identity()
     return resnet, 512 * BasicBlock.expansion
+
+
+class AttentionEntropyRecord:
+    """What `DualEncoder.recording_attention_entropy` collected: one entropy per text layer, as forwards ran."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.by_layer: dict[int, torch.Tensor] = {}
+
+    def value(self) -> torch.Tensor | None:
+        """Entropy per layer (a device tensor), or None unless every layer's forward reported one."""
+        if len(self.by_layer) != self.layers:
+            return None
+        return torch.stack([self.by_layer[layer] for layer in range(self.layers)])
 
 
 class DualEncoder(nn.Module):
@@ -110,6 +127,39 @@ class DualEncoder(nn.Module):
         text = self.encode_text(input_ids, attention_mask)
         return self.scale() * image @ text.t()
 
+    @contextmanager
+    def recording_attention_entropy(self, attention_mask: torch.Tensor) -> Iterator[AttentionEntropyRecord]:
+        """Read each text layer's attention entropy from the forward run inside the block (forward hooks).
+
+        The statistic then costs a few reductions instead of an extra text-encoder pass. When this
+        forward's maps are not distributions (attention dropout while training) nothing is recorded
+        and `value()` is None: measure with `text_attentions` (an eval-mode pass) instead.
+        """
+        layers = self.text_encoder.encoder.layer
+        record = AttentionEntropyRecord(len(layers))
+        if self.training and self.text_encoder.config.attention_probs_dropout_prob > 0:
+            yield record
+            return
+        with torch.no_grad():
+            weights, count = _query_weights(attention_mask)  # once for all layers
+
+        def hook_for(index: int):
+            def hook(module: nn.Module, args: tuple, output: object) -> None:
+                # Eager self-attention returns (context, attention probabilities); keyed by layer, so a
+                # recomputed forward (activation checkpointing) overwrites instead of adding.
+                if isinstance(output, tuple) and len(output) > 1 and isinstance(output[1], torch.Tensor):
+                    with torch.no_grad():
+                        record.by_layer[index] = _layer_entropy(output[1].detach(), weights, count)
+
+            return hook
+
+        handles = [layer.attention.self.register_forward_hook(hook_for(i)) for i, layer in enumerate(layers)]
+        try:
+            yield record
+        finally:
+            for handle in handles:
+                handle.remove()
+
     @torch.no_grad()
     def text_attentions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Attention maps of every text layer, each (N, heads, T, T)."""
@@ -128,21 +178,27 @@ def contrastive_loss(logits: torch.Tensor) -> torch.Tensor:
 def contrastive_accuracy(logits: torch.Tensor) -> torch.Tensor:
     """[image->text, text->image] fraction of rows whose best match is the right one (stays on device)."""
     target = torch.arange(logits.shape[0], device=logits.device)
-    image_to_text = (logits.argmax(dim=1) == target).float().mean()
-    text_to_image = (logits.argmax(dim=0) == target).float().mean()
-    return torch.stack([image_to_text, text_to_image])
+    best = torch.stack([logits.argmax(dim=1), logits.argmax(dim=0)])  # best text per image, best image per text
+    return (best == target).float().mean(dim=1)
 
 
 @torch.no_grad()
 def attention_entropy(attentions: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean entropy (nats) of each layer's attention distributions over real (non-padding) query tokens."""
-    query_mask = attention_mask.to(torch.float32)[:, None, :]  # (N, 1, T), broadcast over heads
-    values = []
-    for probs in attentions:
-        probs = probs.float()
-        entropy = -(probs * probs.clamp(min=1e-12).log()).sum(dim=-1)  # (N, heads, T)
-        values.append((entropy * query_mask).sum() / (query_mask.sum() * probs.shape[1]).clamp(min=1.0))
-    return torch.stack(values)
+    weights, count = _query_weights(attention_mask)
+    return torch.stack([_layer_entropy(probs, weights, count) for probs in attentions])
+
+
+def _query_weights(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) float mask of real query tokens and their number (at least 1)."""
+    weights = attention_mask.to(torch.float32)
+    return weights, weights.sum().clamp(min=1.0)
+
+
+def _layer_entropy(probs: torch.Tensor, weights: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    # entr(p) = -p log p, and 0 where p = 0 (masked keys): no clamp, no log of zero.
+    per_query = torch.special.entr(probs.float()).sum(dim=-1).mean(dim=1)  # (N, T), averaged over heads
+    return (per_query * weights).sum() / count
 
 
 def build_model(cfg, vocab_size: int, max_length: int, pad_id: int = 0) -> DualEncoder:
