@@ -27,9 +27,14 @@ The variants:
 - ``exporter all on``: the exporter's own optional work at every step: module
   norms and update ratios, device values resolved every step, the non-finite
   guard (no trainer statistics).
-- ``rankscope all on``: every optional probe at every step: module norms and update
-  ratios, multimodal statistics (attention entropy read from the training
-  forward), accuracy, device values resolved every step, the non-finite guard.
+- ``rankscope all on``: issue 8's variant (c), every optional probe on: module grad
+  norms and update ratios at every step, device values resolved every step,
+  the non-finite guard, and the trainer's multimodal statistics and accuracy
+  (statistics at demo.yaml's interval, every 10 steps).
+- ``all on, every step``: a stress case beyond (c): the same with the multimodal
+  statistics (text lengths, padding, image sizes and channel statistics, fusion
+  gate, temperature, attention entropy read from the training forward) at
+  every step too.
 - ``hand-written``: the style of many tutorials: `psutil` calls, `.item()` on the
   loss and on every parameter's gradient norm, TensorBoard `SummaryWriter`
   scalars and a gradient histogram per parameter, every step.
@@ -317,7 +322,13 @@ def variants() -> dict[str, Variant]:
             ),
             Variant(
                 "rankscope all on",
-                "module norms, update ratios, multimodal stats, accuracy, NaN guard: every step",
+                "(c): module norms + update ratios every step, resolve every step, NaN guard, stats every 10",
+                _monitored_loop(None, accuracy=True),
+                _all_on_config,
+            ),
+            Variant(
+                "all on, every step",
+                "(c) with the multimodal statistics at every step too",
                 _monitored_loop(1, accuracy=True),
                 _all_on_config,
             ),

@@ -17,14 +17,17 @@ __all__ = ["LossSpikeDetector", "nonfinite_flag", "agree_on_skip"]
 
 def nonfinite_flag(*values: torch.Tensor | float | None) -> torch.Tensor | bool:
     """True where any value is NaN or infinite. Tensors stay on their device (no sync)."""
-    tensors = [v.detach().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
-    floats = [v for v in values if isinstance(v, (int, float))]
-    host_bad = any(not math.isfinite(v) for v in floats)
+    tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
+    host_bad = any(not math.isfinite(v) for v in values if isinstance(v, (int, float)))
     if not tensors:
         return host_bad
-    device = tensors[0].device
-    flag = ~torch.isfinite(torch.cat([t.to(device, torch.float32) for t in tensors])).all()
-    return flag | host_bad if host_bad else flag
+    if host_bad:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device)
+    # A few ops per tensor, every step: this runs on the training thread.
+    finite = torch.isfinite(tensors[0]).all()
+    for tensor in tensors[1:]:
+        finite = finite & torch.isfinite(tensor).all().to(finite.device)
+    return ~finite
 
 
 def agree_on_skip(flag: torch.Tensor | bool) -> bool:
@@ -36,12 +39,13 @@ def agree_on_skip(flag: torch.Tensor | bool) -> bool:
     NaN while the reduced gradients are not yet). Every rank must call this at
     the same point of the step.
     """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return bool(flag)
     tensor = flag.to(torch.int32) if isinstance(flag, torch.Tensor) else torch.tensor(int(flag), dtype=torch.int32)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
-            tensor = tensor.cuda()
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        tensor = tensor.cuda()
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
 
 

@@ -7,8 +7,11 @@ the training loop asks for the same few children every step.
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -16,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from .contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec
 from .identity import RankIdentity
 
-__all__ = ["Instruments"]
+__all__ = ["Instruments", "observe_all"]
 
 _CLIENT_TYPES = {
     MetricKind.COUNTER: Counter,
@@ -78,3 +81,22 @@ class Instruments:
                 found = parent.labels(**self._identity, **{k: str(v) for k, v in labels.items()})
                 self._children[key] = found
         return found
+
+
+def observe_all(child: Any, values: Sequence[float]) -> None:
+    """Observe every value into a histogram child: what a loop of `child.observe(v)` does, cheaper.
+
+    A batch statistic (caption lengths, image sizes) brings dozens of values per step; this adds
+    one increment per touched bucket instead of one `observe` call per value. It relies on the
+    client's histogram internals (`_upper_bounds`, `_buckets`, `_sum`), so where they are missing
+    (another prometheus_client version) or a value is NaN, it falls back to the plain loop.
+    """
+    bounds, buckets, total = (getattr(child, attr, None) for attr in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or any(math.isnan(v) for v in values):
+        for value in values:
+            child.observe(value)
+        return
+    # The first bound >= value is the bucket `observe` picks (amount <= bound); +Inf catches the rest.
+    for index, count in Tally(bisect_left(bounds, value) for value in values).items():
+        buckets[index].inc(count)
+    total.inc(math.fsum(values))

@@ -39,7 +39,7 @@ from .contract import PREFIX
 from .deferred import DeferredValues
 from .guards import LossSpikeDetector, agree_on_skip, nonfinite_flag
 from .identity import RankIdentity
-from .instruments import Instruments
+from .instruments import Instruments, observe_all
 from .modules import ModuleStats
 from .probes import Probe, ProbeCollector, default_probes
 from .server import MetricsServer, serve_metrics
@@ -274,12 +274,7 @@ class Monitor:
     def observe(self, name: str, value: Value, **labels: str) -> None:
         """Observe into a histogram; a tensor contributes every element."""
         child = self.instruments.child(_full(name), **labels)
-
-        def _observe(values: list[float]) -> None:
-            for v in values:
-                child.observe(v)
-
-        self._deferred.add(value, _observe)
+        self._deferred.add(value, lambda values: observe_all(child, values))
 
     def flush(self) -> None:
         """Turn pending device values into numbers now (one transfer per device)."""

@@ -253,3 +253,34 @@ def test_null_monitor_clips_with_torch():
     total = NullMonitor().clip_grad_norm_(model.parameters(), 0.5)
     assert total.item() > 0.5
     assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) <= 0.5 + 1e-5
+
+
+def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from exporter.instruments import observe_all
+
+    values = [0.0, 1.0, 1.0, 2.5, 7.0, 7.0, 7.0, 100.0, 1e9, float("inf"), -3.0]
+    pages = []
+    for bulk in (True, False):
+        registry = CollectorRegistry()
+        child = Histogram("h", "help", registry=registry, buckets=(1.0, 2.5, 7.0, 50.0))
+        if bulk:
+            observe_all(child, values)
+        else:
+            for v in values:
+                child.observe(v)
+        page = generate_latest(registry).decode()
+        pages.append("\n".join(line for line in page.splitlines() if "_created" not in line))
+    assert pages[0] == pages[1]
+    assert 'h_bucket{le="7.0"} 8.0' in pages[0]  # cumulative: -3, 0, 1, 1, 2.5 and three 7s
+
+
+def test_a_nan_among_observed_values_takes_the_plain_path():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from exporter.instruments import observe_all
+
+    child = Histogram("h", "help", registry=CollectorRegistry(), buckets=(1.0,))
+    observe_all(child, [0.5, float("nan"), 2.0])
+    assert [b.get() for b in child._buckets] == [1.0, 1.0]  # NaN lands in no bucket, as observe() does
