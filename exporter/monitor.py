@@ -8,7 +8,7 @@
         with monitor.step(samples=len(batch)) as step:  # step time, counters
             loss = model(batch).loss
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = monitor.clip_grad_norm_(model.parameters(), 1.0)  # torch's, sharing its norms
             if step.record(loss=loss, grad_norm=norm):  # False: guard says skip this update
                 optimizer.step()
             optimizer.zero_grad()
