@@ -1,7 +1,7 @@
 """Benchmark 1: what monitoring costs per training step of the reference trainer.
 
-    .venv/bin/python -m benchmarks.overhead            # 4 trials x 50 steps of each variant, 2-5 min (load)
-    .venv/bin/python -m benchmarks.overhead --quick    # 2 trials, 1-3 min
+    .venv/bin/python -m benchmarks.overhead            # 8 trials x 50 steps of each variant, 3-6 min (load)
+    .venv/bin/python -m benchmarks.overhead --quick    # 3 trials, 1-3 min
     .venv/bin/python -m benchmarks.overhead --variants none "rankscope default"
 
 The reference model (trainer/configs/demo.yaml: ViT + BERT dual encoder, batch
@@ -39,16 +39,16 @@ BASE = "none"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="steps per trial (a multiple of 50 amortises fairly)")
-    parser.add_argument("--trials", type=int, default=4, help="trials (each runs every variant side by side)")
+    parser.add_argument("--trials", type=int, default=8, help="trials (each runs every variant side by side)")
     parser.add_argument("--hand-steps", type=int, default=10, help="steps per trial of the hand-written variant")
-    parser.add_argument("--quick", action="store_true", help="2 trials")
+    parser.add_argument("--quick", action="store_true", help="3 trials")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torchrun's default is 1)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="NAME",
                         help=f"which variants (default: all of {', '.join(VARIANTS)})")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.steps, args.trials, args.hand_steps) < 1:
         parser.error("--steps, --trials and --hand-steps must be >= 1")
-    trials = 2 if args.quick else args.trials
+    trials = 3 if args.quick else args.trials
     names = [BASE, *(name for name in args.variants if name != BASE)]
 
     torch.set_num_threads(args.threads)

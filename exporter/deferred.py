@@ -35,13 +35,13 @@ class DeferredValues:
         if not isinstance(value, torch.Tensor):
             sink([float(value)])
             return
-        value = value.detach()
-        if value.device.type == "cpu" and not self._items:
-            sink(value.reshape(-1).tolist())
+        # Few calls on this path: it runs several times per step on the training thread.
+        if value.is_cpu and not self._items:
+            sink(value.tolist() if value.dim() == 1 else value.reshape(-1).tolist())
         else:
             # Keeps order with already-queued device values: a CPU value behind a
             # queued CUDA value waits for the same flush.
-            self._items.append((value, sink))
+            self._items.append((value.detach(), sink))
 
     def flush(self) -> None:
         """Resolve everything queued: one device-to-host copy per device."""

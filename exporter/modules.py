@@ -62,6 +62,7 @@ class _DeviceShard:
     group_of: list[int] = field(default_factory=list)  # group index of each parameter
     bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (group index, first element, end)
     bound_groups: torch.Tensor | None = None  # the group index of each entry of `bounds`, on the device
+    all_present: tuple[bool, ...] = ()  # the `present` pattern of a step where every parameter has a gradient
     _index_cache: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
     _snapshot: _FlatSnapshot | None = None
 
@@ -82,8 +83,10 @@ class _DeviceShard:
 class _FlatSnapshot:
     """One float32 buffer holding a copy of a shard's parameters, with a view shaped like each of them.
 
-    The views are built once (building 100s of views costs more than the copy itself); the memory
-    behind them is allocated only while a snapshot is held (`take` .. `release`).
+    The views are built once (building 100s of views costs more than the copy itself). On an
+    accelerator the memory behind them is allocated only while a snapshot is held (`take` ..
+    `release`), as device memory is what training runs short of; on CPU it stays allocated, since
+    host memory is plentiful and a fresh allocation would page-fault on every due step.
     """
 
     def __init__(self, shard: _DeviceShard) -> None:
@@ -97,17 +100,20 @@ class _FlatSnapshot:
             for offset, param in zip(offsets, shard.params, strict=False)
         ]
         self.group_slices = [self.flat[start:end] for _, start, end in shard.bounds]
+        self._keep = shard.device.type == "cpu"
         self.release()
 
     def take(self, params: list[nn.Parameter]) -> None:
-        self.flat.untyped_storage().resize_(self._bytes)
+        if not self._keep:
+            self.flat.untyped_storage().resize_(self._bytes)
         torch._foreach_copy_(self.views, params)
 
     def subtract(self, params: list[nn.Parameter]) -> None:
         torch._foreach_sub_(self.views, params)  # the buffer now holds before - after
 
     def release(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        if not self._keep:
+            self.flat.untyped_storage().resize_(0)
 
 
 def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
@@ -128,6 +134,7 @@ def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
         order = sorted(range(len(shard.params)), key=lambda i: shard.group_of[i])
         shard.params = [shard.params[i] for i in order]
         shard.group_of = [shard.group_of[i] for i in order]
+        shard.all_present = (True,) * len(shard.params)
     return list(by_device.values())
 
 
@@ -154,6 +161,7 @@ class ModuleStats:
         self.groups = module_groups(model, max_groups)
         self._names = list(self.groups)
         self._shards = _shards(self.groups)
+        self._watched_ids = {id(p) for shard in self._shards for p in shard.params}
         self._every = every
         self._sink = sink
         self._due = False
@@ -187,7 +195,7 @@ class ModuleStats:
         if not self._due or self._grad_norms_recorded:
             return
         with torch.no_grad():
-            squares = self._grad_norm_squares()
+            squares, _ = self._grad_norm_squares()
             if squares is not None:
                 self._sink("module_grad_norm", self._names, squares.sqrt())
         self._grad_norms_recorded = True
@@ -200,20 +208,19 @@ class ModuleStats:
         are not due, or `parameters` are not exactly the watched ones): then clip with torch as usual."""
         if not self._due or self._grad_norms_recorded or not self._shards:
             return None
-        with_grads = {id(p) for p in parameters if p.grad is not None}
-        if with_grads != {id(p) for shard in self._shards for p in shard.params if p.grad is not None}:
+        # Loops over parameters are the cost here (this runs every due step): the common case, the
+        # watched parameters themselves, is settled by a C-level set comparison.
+        if set(map(id, parameters)) != self._watched_ids and not self._same_with_gradients(parameters):
             return None
         with torch.no_grad():
-            squares = self._grad_norm_squares()
+            squares, grads_by_shard = self._grad_norm_squares()
             if squares is None:
                 return None
             total = squares.sum().sqrt()
             # As torch does: one multiply by min(1, max_norm / (total + 1e-6)), no host-device sync.
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for shard in self._shards:
-                grads = [p.grad for p in shard.params if p.grad is not None]
-                if grads:
-                    torch._foreach_mul_(grads, coefficient.to(shard.device))
+            for shard, grads in grads_by_shard:
+                torch._foreach_mul_(grads, coefficient.to(shard.device))
         self._grad_norms_recorded = True
         try:  # the gradients are clipped: from here on a failure must not make the caller clip again
             self._sink("module_grad_norm", self._names, squares.sqrt())
@@ -223,19 +230,30 @@ class ModuleStats:
             self._on_error(exc)
         return total
 
-    def _grad_norm_squares(self) -> torch.Tensor | None:
-        """Squared gradient 2-norm per group (float32, on the first shard's device); None without gradients."""
+    def _same_with_gradients(self, parameters: list[torch.Tensor]) -> bool:
+        """Whether `parameters` and the watched ones have the same gradients (both sides skip the None ones)."""
+        theirs = {id(p) for p in parameters if p.grad is not None}
+        return theirs == {id(p) for shard in self._shards for p in shard.params if p.grad is not None}
+
+    def _grad_norm_squares(self) -> tuple[torch.Tensor | None, list[tuple[_DeviceShard, list[torch.Tensor]]]]:
+        """Squared gradient 2-norm per group (float32, on the first shard's device; None without gradients),
+        and the gradients found on each shard."""
         squares = None
+        found = []
         for shard in self._shards:
-            grads = [p.grad for p in shard.params]
-            present = tuple(g is not None for g in grads)
-            if not any(present):
+            grads = [p.grad for p in shard.params if p.grad is not None]
+            if not grads:
                 continue
-            norms = torch.stack(torch._foreach_norm([g for g in grads if g is not None], 2, dtype=torch.float32))
+            found.append((shard, grads))
+            if len(grads) == len(shard.params):
+                present = shard.all_present
+            else:
+                present = tuple(p.grad is not None for p in shard.params)
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             per_group = torch.zeros(len(self._names), device=shard.device)
             per_group.index_add_(0, shard.group_index(present), norms.square())
             squares = per_group if squares is None else squares + per_group.to(squares.device)
-        return squares
+        return squares, found
 
     def _snapshot(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._due:

@@ -97,6 +97,7 @@ class Monitor:
         self.instruments = Instruments(self.registry, self.identity)
         self.global_step = 0
         self._deferred = DeferredValues()
+        self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
         self._spikes = LossSpikeDetector(self.config.spike_window, self.config.spike_ratio, self.config.spike_patience)
         self._comm = CommTimer()
         self._pending_comm: list[tuple[float, float, list[Any]]] = []
@@ -253,9 +254,13 @@ class Monitor:
 
         A tensor is resolved as one value (one entry in the batched transfer), cheaper than a
         `set()` per element."""
-        if len(values) != len(keys):
+        cache_key = (name, label, tuple(keys), tuple(labels.items()))
+        children = self._children_of.get(cache_key)
+        if children is None:
+            children = [self.instruments.child(_full(name), **labels, **{label: key}) for key in keys]
+            self._children_of[cache_key] = children
+        if len(values) != len(children):
             raise ValueError(f"set_each({name!r}): {len(values)} values for {len(keys)} {label} keys")
-        children = [self.instruments.child(_full(name), **labels, **{label: key}) for key in keys]
 
         def _set(resolved: list[float]) -> None:
             for child, number in zip(children, resolved, strict=True):

@@ -131,3 +131,16 @@ def test_norms_of_the_shares_on_several_devices_combine_as_one_norm():
 
     combined = _combine_norms([torch.tensor([3.0, 0.0, 1.0]), torch.tensor([4.0, 2.0, 0.0])])
     assert combined.tolist() == [5.0, 2.0, 1.0]
+
+
+def test_off_the_cpu_the_snapshot_memory_is_held_only_between_the_optimizer_hooks():
+    # The meta device stands in for an accelerator here: same code path, storage sizes without data.
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to("meta")
+    stats = ModuleStats(model, None, 1, 8, lambda *args: None)
+    shard = stats._shards[0]
+    snapshot = shard.snapshot()
+    assert snapshot.flat.untyped_storage().nbytes() == 0
+    snapshot.take(shard.params)
+    assert snapshot.flat.untyped_storage().nbytes() == 4 * (3 * 4 + 4 + 4 * 2 + 2)
+    snapshot.release()
+    assert snapshot.flat.untyped_storage().nbytes() == 0
