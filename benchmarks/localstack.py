@@ -12,7 +12,7 @@ launcher's `trainer.stack.derive_prometheus_config` /
 given ports, one scrape target per rank, the webhook's token file), and the
 servers are started by `tests.support.start_prometheus` /
 `start_alertmanager` (the end-to-end tests' launcher, built on the stack
-launcher's `trainer._procs.Children`). What a measurement may change on top:
+launcher's `trainer.processes.Children`). What a measurement may change on top:
 the global scrape and evaluation interval, the rule files and whether an
 Alertmanager runs at all. Only loopback addresses are used.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from tests.support import free_port, free_port_block, start_alertmanager, start_prometheus, unix_time
-from trainer._procs import Children
+from trainer.processes import Children
 from trainer.stack import REPO, Ports, derive_alertmanager_config, derive_prometheus_config
 
 __all__ = [

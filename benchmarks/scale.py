@@ -33,7 +33,7 @@ import psutil
 import torch
 from prometheus_client import generate_latest
 
-from trainer._procs import Child, Children
+from trainer.processes import Child, Children
 
 from .localstack import MonitoringStack, local_ports, shipped_interval
 from .scrape import page_stats

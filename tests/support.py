@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer._procs import Child, Children
+from trainer.processes import Child, Children
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -115,7 +115,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20) -> int:
 
 # --- real Prometheus / Alertmanager servers and a webhook sink ------------------------------------
 # One launcher for every test that needs the servers, built on the stack launcher's own process
-# handling (trainer._procs): each server in its own session, waited for on /-/ready, stopped with
+# handling (trainer.processes): each server in its own session, waited for on /-/ready, stopped with
 # its process group.
 
 
@@ -133,7 +133,7 @@ def binary(name: str) -> str:
 
 @dataclass(frozen=True)
 class Server:
-    """A started server: its process (a trainer._procs.Child) and base URL."""
+    """A started server: its process (a trainer.processes.Child) and base URL."""
 
     child: Child
     url: str

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from ._procs import Child, Children, StackError
+from .processes import Child, Children, StackError
 
 __all__ = ["Ports", "derive_alertmanager_config", "derive_prometheus_config", "main"]
 

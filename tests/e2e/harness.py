@@ -46,7 +46,7 @@ from tests.support import (
     tail,
     unix_time,
 )
-from trainer._procs import Children
+from trainer.processes import Children
 from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 
 T = TypeVar("T")

@@ -1,4 +1,5 @@
-"""Child processes of the stack launcher: start them, watch them, stop every one.
+"""Child processes of the stack launcher (and of the tests and benchmarks that start servers):
+start them, watch them, stop every one.
 
 Each child starts in its own session, so a Ctrl-C in the terminal reaches only
 the launcher, which then stops the children in order (trainer first, so it can
