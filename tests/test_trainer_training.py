@@ -149,8 +149,9 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     (tmp_path / "token").write_text(token + "\n")
     job = trainer_job(
         "control",
-        ["run.max_steps=1000", "checkpoint.every_steps=0", "control.enabled=true", f"control.port={port}",
-         f"control.token_file={tmp_path / 'token'}"],
+        # A checkpoint every step: the stop falls on an interval step and must still write only one.
+        ["run.max_steps=1000", "checkpoint.every_steps=1", "checkpoint.keep=2", "control.enabled=true",
+         f"control.port={port}", f"control.token_file={tmp_path / 'token'}"],
     )  # fmt: skip
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
 
@@ -162,7 +163,11 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
 
     job.wait_for(lambda: requests.get(f"{url}/v1/status", headers=headers, timeout=5).json()["step"] >= 3, "step 3")
     post("checkpoint", "before-upgrade")
-    saved = job.wait_for(lambda: job.records("checkpoint"), "the operator's checkpoint")
+
+    def operator_checkpoints() -> list[dict]:
+        return [r for r in job.records("checkpoint") if r["reason"].startswith("operator")]
+
+    saved = job.wait_for(operator_checkpoints, "the operator's checkpoint")
     assert saved[0]["reason"] == "operator:before-upgrade"
     for rank in (0, 1):  # every rank took part and counts it
         assert sample_value(job.scrape(rank), "rankscope_checkpoints_total", reason="operator") == 1
@@ -172,6 +177,7 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     assert stop["reason"] == "stop:operator:maintenance"
     assert job.records("finished")[0]["stopped"] == "operator:maintenance"
     assert job.records("finished")[0]["step"] == stop["step"] < 1000
+    assert [r for r in job.records("checkpoint") if r["step"] == stop["step"]] == [stop]  # not interval + stop
     assert list_checkpoints(job.checkpoint_dir)[0].name == f"step_{stop['step']:08d}.pt"
 
 

@@ -206,7 +206,9 @@ class Trainer:
             applied = self.channel.at_step_boundary(self.step, self)  # may call checkpoint() / request_stop()
             if "pause" in applied or "resume" in applied:
                 self.log.restart_clock()  # a pause is not step time
-        if self._due(self.cfg.checkpoint.every_steps) and self.checkpoints.last_step != self.step:
+        # A stop requested at this boundary checkpoints on the way out (reason "stop:..."): not twice.
+        due = self._due(self.cfg.checkpoint.every_steps) and self.checkpoints.last_step != self.step
+        if due and self.stop_reason is None:
             self.save_checkpoint("interval")
 
     def _due(self, every: int) -> bool:
