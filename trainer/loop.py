@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -107,9 +108,13 @@ class Trainer:
         # wait counts as the peers' compute time, so a slow data loader on rank 0 would make rank 1 look
         # like the straggler. The ViT/BERT buffers are constants; with the ResNet encoder each rank keeps
         # its own BatchNorm running statistics (rank 0's are checkpointed).
-        self.model = DistributedDataParallel(
-            model, device_ids=[self.rt.device.index] if on_cuda else None, broadcast_buffers=False
-        )
+        # torch 2.14 calls broadcast_buffers deprecated but itself advises keeping broadcast_buffers=False
+        # until `init_sync_buffers` exists (its replacement still syncs at init): quiet that one warning.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated", category=FutureWarning)
+            self.model = DistributedDataParallel(
+                model, device_ids=[self.rt.device.index] if on_cuda else None, broadcast_buffers=False
+            )
         self.monitor.attach_comm_hook(self.model)
         self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         total = cfg.optim.decay_steps or run.max_steps
