@@ -59,11 +59,13 @@ def _expect_page_if_rule_says_so(stack: Stack, alertname: str) -> None:
 
 # --- 1. divergence ------------------------------------------------------------------------------
 
-# At step 101 the model is trained (loss ~0.4); x11 throws it back to ~3 at once and, unlike x16 and more,
-# does not kill it (a constant 2.77). Tuned on trainer/configs/test.yaml: revisit if its model or optimiser
-# changes.
+# At step 101 the model is trained (loss ~0.4); x9 throws it back to ~2.5 at once, and the alert fires.
+# x11 did too, but now that monitored steps are faster it kills the model (a constant 2.77 = log 16)
+# about 40 steps later, before the alert's ~3 s have reached the loop; x8 sometimes stays under the
+# alert's threshold. Tuned on trainer/configs/test.yaml (x9: 3 of 3 runs fired, acted and recovered):
+# revisit if its model, optimiser or step time changes.
 DIVERGE_AT = 101
-DIVERGE_FACTOR = 11
+DIVERGE_FACTOR = 9
 REDUCE_FACTOR = 0.3
 
 
@@ -91,7 +93,7 @@ def test_a_diverging_loss_gets_the_learning_rate_reduced_once_on_both_ranks_and_
     assert latency < LATENCY_LIMIT_SECONDS
 
     # The loss recovers: the mean of the last 20 steps falls under 60 % of the mean of the 20 steps after the
-    # reduction (~80 steps). Without the reduction it stays around 2 for the rest of a short run.
+    # reduction.
     def recovered() -> bool:
         losses = job.losses()
         after = [losses[s] for s in range(reduced_at + 1, reduced_at + 21) if losses.get(s) is not None]
