@@ -10,8 +10,8 @@ Update ratio = ||param_after - param_before|| / ||param_before|| per group,
 from optimizer step hooks (public Optimizer API): on due steps only, the
 pre-hook copies the parameters into one flat float32 buffer per device (laid
 out group by group, so a group is a slice) and the post-hook subtracts the
-new values in place and frees the buffer. Other steps cost nothing and hold
-no copy.
+new values in place. Other steps cost nothing; between due steps only a CPU
+buffer is kept (see _FlatSnapshot).
 """
 
 from __future__ import annotations
@@ -62,15 +62,16 @@ class _DeviceShard:
     group_of: list[int] = field(default_factory=list)  # group index of each parameter
     bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (group index, first element, end)
     bound_groups: torch.Tensor | None = None  # the group index of each entry of `bounds`, on the device
-    all_present: tuple[bool, ...] = ()  # the `present` pattern of a step where every parameter has a gradient
-    _index_cache: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    _index_cache: dict[tuple[bool, ...] | None, torch.Tensor] = field(default_factory=dict)
     _snapshot: _FlatSnapshot | None = None
 
-    def group_index(self, present: tuple[bool, ...]) -> torch.Tensor:
-        """Group index of each present parameter, as a device tensor built once per pattern (no copy per step)."""
+    def group_index(self, present: tuple[bool, ...] | None) -> torch.Tensor:
+        """Group index of each present parameter (None: all are), as a device tensor built once per pattern."""
         found = self._index_cache.get(present)
         if found is None:
-            chosen = [group for group, there in zip(self.group_of, present, strict=True) if there]
+            chosen = [
+                g for g, there in zip(self.group_of, present or (True,) * len(self.group_of), strict=True) if there
+            ]
             found = self._index_cache[present] = torch.tensor(chosen, dtype=torch.long, device=self.device)
         return found
 
@@ -134,7 +135,6 @@ def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
         order = sorted(range(len(shard.params)), key=lambda i: shard.group_of[i])
         shard.params = [shard.params[i] for i in order]
         shard.group_of = [shard.group_of[i] for i in order]
-        shard.all_present = (True,) * len(shard.params)
     return list(by_device.values())
 
 
@@ -166,7 +166,7 @@ class ModuleStats:
         self._sink = sink
         self._due = False
         self._grad_norms_recorded = False
-        self._snapshots: list[tuple[_DeviceShard, _FlatSnapshot, torch.Tensor]] | None = None
+        self._befores: list[torch.Tensor] | None = None  # per shard: group norms of the parameters before the step
         self._on_error = on_error
         self._handles = []
         if optimizer is not None and every > 0:
@@ -245,10 +245,7 @@ class ModuleStats:
             if not grads:
                 continue
             found.append((shard, grads))
-            if len(grads) == len(shard.params):
-                present = shard.all_present
-            else:
-                present = tuple(p.grad is not None for p in shard.params)
+            present = None if len(grads) == len(shard.params) else tuple(p.grad is not None for p in shard.params)
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             per_group = torch.zeros(len(self._names), device=shard.device)
             per_group.index_add_(0, shard.group_index(present), norms.square())
@@ -259,38 +256,37 @@ class ModuleStats:
         if not self._due:
             return
         with torch.no_grad():
-            self._snapshots = []
+            self._befores = []
             for shard in self._shards:
-                snapshot = shard.snapshot()
-                snapshot.take(shard.params)
-                self._snapshots.append((shard, snapshot, self._group_norms(shard, snapshot)))
+                shard.snapshot().take(shard.params)
+                self._befores.append(self._group_norms(shard))
 
     def _update_ratios(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        snapshots, self._snapshots = self._snapshots, None
-        if not snapshots:
+        befores, self._befores = self._befores, None
+        if not befores:
             return
         with torch.no_grad():
-            deltas, befores = [], []
-            for shard, snapshot, before in snapshots:
-                snapshot.subtract(shard.params)
-                deltas.append(self._group_norms(shard, snapshot))
-                befores.append(before)
-                snapshot.release()
+            deltas = []
+            for shard in self._shards:
+                shard.snapshot().subtract(shard.params)
+                deltas.append(self._group_norms(shard))
+                shard.snapshot().release()
             delta, before = _combine_norms(deltas), _combine_norms(befores)
             # Tiny epsilon: a zero-initialised group must not divide by zero.
             self._sink("update_ratio", self._names, delta / (before + 1e-12))
 
-    def _group_norms(self, shard: _DeviceShard, snapshot: _FlatSnapshot) -> torch.Tensor:
-        """Each group's norm over its slice of the buffer (zero for groups with no parameter on this device)."""
-        norms = torch.stack(torch._foreach_norm(snapshot.group_slices))
+    def _group_norms(self, shard: _DeviceShard) -> torch.Tensor:
+        """Each group's norm over its slice of the shard's buffer (zero for groups with no parameter there)."""
+        norms = torch.stack(torch._foreach_norm(shard.snapshot().group_slices))
         if len(shard.bounds) == len(self._names):
             return norms
         return torch.zeros(len(self._names), device=shard.device).index_copy_(0, shard.bound_groups, norms)
 
     def _drop_snapshots(self) -> None:
-        for _, snapshot, _ in self._snapshots or ():
-            snapshot.release()
-        self._snapshots = None
+        if self._befores is not None:
+            for shard in self._shards:
+                shard.snapshot().release()
+        self._befores = None
 
     def close(self) -> None:
         self._drop_snapshots()

@@ -254,6 +254,8 @@ class Monitor:
 
         A tensor is resolved as one value (one entry in the batched transfer), cheaper than a
         `set()` per element."""
+        if isinstance(values, torch.Tensor) and values.dim() != 1:
+            raise ValueError(f"set_each({name!r}) takes one value per key, got a tensor of shape {tuple(values.shape)}")
         cache_key = (name, label, tuple(keys), tuple(labels.items()))
         children = self._children_of.get(cache_key)
         if children is None:

@@ -106,7 +106,7 @@ def test_steps_that_are_not_due_compute_and_hold_nothing():
     _loss(model, torch.randn(4, 4)).backward()
     stats.record_grad_norms()
     optimizer.step()
-    assert calls == [] and stats._snapshots is None
+    assert calls == [] and stats._befores is None
 
 
 def test_a_failure_inside_the_optimizer_hooks_is_reported_not_raised_into_the_step():

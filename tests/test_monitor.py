@@ -195,6 +195,8 @@ def test_set_each_sets_one_child_per_key_from_a_tensor_or_a_list():
     assert value(monitor, "rankscope_contrastive_accuracy_ratio", split="val", direction="text_to_image") == 0.5
     with pytest.raises(ValueError, match="2 values for 3 channel keys"):
         monitor.set_each("image_channel_mean", [1.0, 2.0], "channel", ("r", "g", "b"))
+    with pytest.raises(ValueError, match=r"one value per key, got a tensor of shape \(\)"):
+        monitor.set_each("image_channel_mean", torch.tensor(1.0), "channel", ("r",))
 
 
 def test_monitor_and_null_monitor_offer_the_same_public_methods():
