@@ -130,7 +130,8 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m(
         "data_wait_seconds",
         _H,
-        "Time blocked waiting for the next batch from the data loader.",
+        "Time one training step spent blocked waiting for batches from the data loader (all of the step's "
+        "fetches, whether before the step or inside it).",
         unit="seconds",
         buckets=DATA_WAIT_BUCKETS,
     ),
@@ -180,8 +181,24 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _m("learning_rate", _G, "Current learning rate per optimizer parameter group.", labels=("param_group",)),
     # --- guards ------------------------------------------------------------
-    _m("nonfinite_steps_total", _C, "Steps whose loss or gradient norm was NaN or infinite."),
+    _m(
+        "nonfinite_steps_total",
+        _C,
+        "Steps whose loss or gradient norm was NaN or infinite (with a GradScaler watched: whose loss was; "
+        "gradient overflows are counted in loss_scale_overflows_total).",
+    ),
     _m("skipped_steps_total", _C, "Optimizer updates skipped by the non-finite guard."),
+    _m(
+        "loss_scale",
+        _G,
+        "Loss scale of the loop's GradScaler (dynamic loss scaling), as of the latest resolved step.",
+    ),
+    _m(
+        "loss_scale_overflows_total",
+        _C,
+        "Steps whose scaled gradients overflowed while the loss was finite: the GradScaler skipped the update "
+        "and lowered its scale, as dynamic loss scaling expects.",
+    ),
     _m(
         "loss_spikes_total",
         _C,

@@ -12,7 +12,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-__all__ = ["LossSpikeDetector", "nonfinite_flag", "agree_on_skip"]
+__all__ = ["LossSpikeDetector", "agree_on_skip", "nonfinite_flag", "overflow_flag"]
 
 
 def nonfinite_flag(*values: torch.Tensor | float | None) -> torch.Tensor | bool:
@@ -28,6 +28,20 @@ def nonfinite_flag(*values: torch.Tensor | float | None) -> torch.Tensor | bool:
     for tensor in tensors[1:]:
         finite = finite & torch.isfinite(tensor).all().to(finite.device)
     return ~finite
+
+
+def overflow_flag(loss: torch.Tensor | float | None, grad_norm: torch.Tensor | float | None) -> torch.Tensor | bool:
+    """True when the gradient norm is NaN/inf while the loss is finite: under a GradScaler, an
+    overflow of the scaled gradients (no sync)."""
+    norm_bad = nonfinite_flag(grad_norm)
+    if norm_bad is False:
+        return False
+    loss_bad = nonfinite_flag(loss)
+    if isinstance(norm_bad, bool):
+        return ~loss_bad if isinstance(loss_bad, torch.Tensor) else not loss_bad
+    if isinstance(loss_bad, bool):
+        return norm_bad & (not loss_bad)
+    return norm_bad & ~loss_bad.to(norm_bad.device)
 
 
 def agree_on_skip(flag: torch.Tensor | bool) -> bool:

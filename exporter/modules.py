@@ -22,6 +22,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 __all__ = ["ModuleStats", "module_groups"]
 
@@ -35,16 +40,19 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def module_groups(model: nn.Module, max_groups: int) -> dict[str, list[nn.Parameter]]:
-    """Trainable parameters grouped by top-level child; bounded for label safety."""
+    """Trainable parameters grouped by top-level child; bounded for label safety.
+
+    A parameter shared by several modules (tied input and output embeddings) belongs to the group of
+    the first module that holds it, as `model.parameters()` counts it: once."""
     root = _unwrap(model)
-    groups: dict[str, list[nn.Parameter]] = {}
-    for name, child in root.named_children():
-        params = [p for p in child.parameters() if p.requires_grad]
-        if params:
-            groups[name] = params
-    direct = [p for p in root.parameters(recurse=False) if p.requires_grad]
-    if direct:
-        groups["root"] = direct
+    groups: dict[str, list[nn.Parameter]] = {name: [] for name, _ in root.named_children()}
+    groups["root"] = []
+    # named_parameters() yields each parameter once, under the first name that reaches it.
+    for name, param in root.named_parameters():
+        if param.requires_grad:
+            head, dot, _ = name.partition(".")
+            groups[head if dot and head in groups else "root"].append(param)
+    groups = {name: params for name, params in groups.items() if params}
     if len(groups) > max_groups:
         names = list(groups)
         kept = {n: groups[n] for n in names[: max_groups - 1]}
@@ -146,6 +154,36 @@ def _combine_norms(per_device: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([norms.to(first) for norms in per_device]).square().sum(dim=0).sqrt()
 
 
+def _torch_gradient_norms(grads: list[torch.Tensor], foreach: bool | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each gradient's 2-norm (in `grads`' order) and the total norm, computed exactly as torch's
+    `get_total_norm` computes them (torch/nn/utils/clip_grad.py): grouped by device and dtype, one
+    `_foreach_norm` per group, then the norm of the stacked norms in group order. The same ops in the
+    same order give the same bits; `ModuleStats` checks that once against torch itself."""
+    grouped = _group_tensors_by_device_and_dtype([grads])
+    in_order: list[torch.Tensor | None] = [None] * len(grads)
+    stacked = []
+    for (device, _), ([device_grads], indices) in grouped.items():
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            norms = list(torch._foreach_norm(device_grads, 2.0))
+        else:
+            norms = [torch.linalg.vector_norm(g, 2.0) for g in device_grads]
+        stacked.extend(norms)
+        for position, norm in zip(indices, norms, strict=True):
+            in_order[position] = norm
+    first = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in stacked]), 2.0)
+    return in_order, total  # type: ignore[return-value]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two scalar tensors (NaN equals the same NaN; one host sync)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8)))
+
+
 class ModuleStats:
     """Computes the interval statistics and hands one tensor per metric to `sink`."""
 
@@ -162,6 +200,9 @@ class ModuleStats:
         self._names = list(self.groups)
         self._shards = _shards(self.groups)
         self._watched_ids = {id(p) for shard in self._shards for p in shard.params}
+        self._group_of = {id(p): index for index, params in enumerate(self.groups.values()) for p in params}
+        self._sharing_checked = False
+        self._sharing_exact = True
         self._every = every
         self._sink = sink
         self._due = False
@@ -195,32 +236,41 @@ class ModuleStats:
         if not self._due or self._grad_norms_recorded:
             return
         with torch.no_grad():
-            squares, _ = self._grad_norm_squares()
+            squares = self._grad_norm_squares()
             if squares is not None:
                 self._sink("module_grad_norm", self._names, squares.sqrt())
         self._grad_norms_recorded = True
 
-    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
-        """Clip gradients to a total 2-norm of `max_norm` as `torch.nn.utils.clip_grad_norm_` does, computing
-        each gradient's norm once for both the clipping and this step's module grad norms.
+    def clip_grad_norm_(
+        self, parameters: list[torch.Tensor], max_norm: float, foreach: bool | None = None
+    ) -> torch.Tensor | None:
+        """Clip as `torch.nn.utils.clip_grad_norm_(parameters, max_norm, 2.0, False, foreach)` does, bit for
+        bit, keeping the per-gradient norms it computes for this step's module grad norms.
 
         Returns the total norm (before clipping), or None when sharing does not apply (the module norms
-        are not due, or `parameters` are not exactly the watched ones): then clip with torch as usual."""
-        if not self._due or self._grad_norms_recorded or not self._shards:
+        are not due, `parameters` are not exactly the watched ones, or this torch computes its total norm
+        differently from `_torch_gradient_norms`): then clip with torch as usual."""
+        if not self._due or self._grad_norms_recorded or not self._shards or not self._sharing_exact:
             return None
         # Loops over parameters are the cost here (this runs every due step): the common case, the
         # watched parameters themselves, is settled by a C-level set comparison.
         if set(map(id, parameters)) != self._watched_ids and not self._same_with_gradients(parameters):
             return None
         with torch.no_grad():
-            squares, grads_by_shard = self._grad_norm_squares()
-            if squares is None:
+            with_grads = [p for p in parameters if p.grad is not None]
+            if not with_grads:
                 return None
-            total = squares.sum().sqrt()
-            # As torch does: one multiply by min(1, max_norm / (total + 1e-6)), no host-device sync.
-            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for shard, grads in grads_by_shard:
-                torch._foreach_mul_(grads, coefficient.to(shard.device))
+            grads = [p.grad for p in with_grads]
+            norms, total = _torch_gradient_norms(grads, foreach)
+            if not self._sharing_checked:
+                # Once per run: the total must be torch's own, bit for bit, or sharing is off for good.
+                self._sharing_checked = True
+                reference = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
+                if not _same_bits(total, reference):
+                    self._sharing_exact = False
+                    return None
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach)
+            squares = self._group_squares(with_grads, norms)
         self._grad_norms_recorded = True
         try:  # the gradients are clipped: from here on a failure must not make the caller clip again
             self._sink("module_grad_norm", self._names, squares.sqrt())
@@ -230,27 +280,39 @@ class ModuleStats:
             self._on_error(exc)
         return total
 
+    def _group_squares(self, params: list[torch.Tensor], norms: list[torch.Tensor]) -> torch.Tensor:
+        """Squared 2-norm per group from per-parameter norms; a parameter listed twice counts once."""
+        first = norms[0].device
+        slot = len(self._names)  # repeats go to a slot that is dropped
+        seen: set[int] = set()
+        index = []
+        for param in params:
+            key = id(param)
+            index.append(slot if key in seen else self._group_of[key])
+            seen.add(key)
+        squares = torch.stack([n.to(first, torch.float32) for n in norms]).square()
+        per_group = torch.zeros(slot + 1, device=first)
+        per_group.index_add_(0, torch.tensor(index, dtype=torch.long, device=first), squares)
+        return per_group[:slot]
+
     def _same_with_gradients(self, parameters: list[torch.Tensor]) -> bool:
         """Whether `parameters` and the watched ones have the same gradients (both sides skip the None ones)."""
         theirs = {id(p) for p in parameters if p.grad is not None}
         return theirs == {id(p) for shard in self._shards for p in shard.params if p.grad is not None}
 
-    def _grad_norm_squares(self) -> tuple[torch.Tensor | None, list[tuple[_DeviceShard, list[torch.Tensor]]]]:
-        """Squared gradient 2-norm per group (float32, on the first shard's device; None without gradients),
-        and the gradients found on each shard."""
+    def _grad_norm_squares(self) -> torch.Tensor | None:
+        """Squared gradient 2-norm per group (float32, on the first shard's device; None without gradients)."""
         squares = None
-        found = []
         for shard in self._shards:
             grads = [p.grad for p in shard.params if p.grad is not None]
             if not grads:
                 continue
-            found.append((shard, grads))
             present = None if len(grads) == len(shard.params) else tuple(p.grad is not None for p in shard.params)
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             per_group = torch.zeros(len(self._names), device=shard.device)
             per_group.index_add_(0, shard.group_index(present), norms.square())
             squares = per_group if squares is None else squares + per_group.to(squares.device)
-        return squares, found
+        return squares
 
     def _snapshot(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._due:

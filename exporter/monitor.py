@@ -37,7 +37,7 @@ from .comm import CommTimer, events_seconds
 from .config import MonitorConfig
 from .contract import PREFIX
 from .deferred import DeferredValues
-from .guards import LossSpikeDetector, agree_on_skip, nonfinite_flag
+from .guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
 from .identity import RankIdentity
 from .instruments import Instruments, observe_all
 from .modules import ModuleStats
@@ -104,7 +104,11 @@ class Monitor:
         self._modules: ModuleStats | None = None
         self._optimizer: Any | None = None
         self._iteration_start: float | None = None
-        self._data_wait = 0.0
+        self._wait_before = 0.0  # data wait reported before the step's block: added to its duration
+        self._wait_inside = 0.0  # data wait reported inside the block: already part of its duration
+        self._in_step = False
+        self._reports_data_wait = False  # a loop that never reports data wait gets no data-wait series
+        self._scaler: Any | None = None
         self._server: MetricsServer | None = None
         self._log = LogOnce()
         self._metric = {short: self.instruments.child(PREFIX + short) for short in _UNLABELLED}
@@ -148,10 +152,16 @@ class Monitor:
 
     # --- wiring to the model -----------------------------------------------------
 
-    def watch(self, model: torch.nn.Module, optimizer: Any | None = None) -> None:
+    def watch(self, model: torch.nn.Module, optimizer: Any | None = None, scaler: Any | None = None) -> None:
         """Learning rates from `optimizer`; per-module grad norms and update ratios
-        (groups = the model's top-level children) every `module_stats_every_n_steps`."""
+        (groups = the model's top-level children) every `module_stats_every_n_steps`.
+
+        `scaler`: the loop's `torch.amp.GradScaler`, if any. Its loss scale is recorded, and a step
+        whose loss is finite but whose (unscaled) gradient norm is not is an overflow that dynamic
+        loss scaling expects (the scaler skips that update and lowers its scale): it is counted in
+        `loss_scale_overflows_total`, not as a non-finite step, and the guard leaves it to the scaler."""
         self._optimizer = optimizer
+        self._scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
         if self._modules is not None:
             self._modules.close()
         self._modules = ModuleStats(
@@ -188,11 +198,17 @@ class Monitor:
             yield item
 
     def record_data_wait(self, seconds: float) -> None:
-        """For loops that fetch batches themselves: time blocked on the next batch.
+        """For loops that fetch batches themselves: time blocked on a batch.
 
-        Call before `step()`; the wait counts towards that step's duration."""
-        self._data_wait = seconds
-        self.instruments.child(PREFIX + "data_wait_seconds").observe(seconds)
+        Before `step()`, the wait is added to that step's duration; inside the step's block (a
+        prefetch of the next batch, the micro-batches of gradient accumulation) it is already part
+        of the block's wall time and is not added again. Either way it is this step's data wait
+        (summed over calls), which compute time excludes."""
+        self._reports_data_wait = True
+        if self._in_step:
+            self._wait_inside += seconds
+        else:
+            self._wait_before += seconds
 
     @contextmanager
     def step(self, samples: int = 0, tokens: int = 0) -> Iterator[StepContext]:
@@ -205,9 +221,13 @@ class Monitor:
         context = StepContext(self, self.global_step + 1)
         if self._modules is not None:
             self._modules.begin_step(context.index)
-        yield context
+        self._in_step = True
+        try:
+            yield context
+        finally:
+            self._in_step = False
         # Only a block that completed counts as a step; an exception propagates untouched.
-        seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._data_wait)
+        seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
         self._finish_step(context, seconds, samples, tokens)
 
     def clip_grad_norm_(
@@ -216,22 +236,29 @@ class Monitor:
         max_norm: float,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_`, sharing its work with the module grad norms.
+        """`torch.nn.utils.clip_grad_norm_`, bit for bit, sharing its work with the module grad norms.
 
-        Same arguments and result. On steps where module grad norms are due and `parameters`
-        are the watched model's, each gradient's norm is computed once for both (one pass over
-        the gradients instead of two); otherwise this is torch's function."""
+        Same arguments and result: the total norm and the clipped gradients are exactly torch's. On
+        steps where module grad norms are due and `parameters` are the watched model's, each
+        gradient's norm is computed once for both; on other due steps the module norms are taken
+        before torch clips, so they are pre-clip either way."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._modules is not None and norm_type == 2.0 and not error_if_nonfinite:
             try:
-                total = self._modules.clip_grad_norm_(params, max_norm)
+                total = self._modules.clip_grad_norm_(params, max_norm, foreach)
             except Exception as exc:  # monitoring must never break the step: clip the plain way
                 self._fail("module_stats", exc)
                 total = None
             if total is not None:
                 return total
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        if self._modules is not None:
+            try:
+                self._modules.record_grad_norms()  # before clipping; nothing if not due
+            except Exception as exc:
+                self._fail("module_stats", exc)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def set_step(self, step: int) -> None:
         """Continue counting from `step` (after resuming from a checkpoint)."""
@@ -304,7 +331,13 @@ class Monitor:
                 self.set("grad_norm", grad_norm)
         except Exception as exc:  # monitoring must never break the step
             self._fail("record", exc)
-        flag = nonfinite_flag(loss, grad_norm)
+        if self._scaler is not None:
+            # Dynamic loss scaling: an overflowing gradient with a finite loss is the scaler's business
+            # (it skips the update and backs off); only a non-finite loss is a non-finite step.
+            flag = nonfinite_flag(loss)
+            self._deferred.add(overflow_flag(loss, grad_norm), self._on_overflow)
+        else:
+            flag = nonfinite_flag(loss, grad_norm)
         if not self.config.skip_nonfinite:
             self._deferred.add(flag, self._on_nonfinite)
             return True
@@ -318,10 +351,14 @@ class Monitor:
 
     def _finish_step(self, context: StepContext, seconds: float, samples: int, tokens: int) -> None:
         try:
-            data_wait, self._data_wait, self._iteration_start = self._data_wait, 0.0, None
+            data_wait = self._wait_before + self._wait_inside
+            self._wait_before = self._wait_inside = 0.0
+            self._iteration_start = None
             self.global_step = context.index
             m = self._metric
             m["step_duration_seconds"].observe(seconds)
+            if self._reports_data_wait:
+                m["data_wait_seconds"].observe(data_wait)
             m["steps_total"].inc()
             if samples:
                 m["samples_total"].inc(samples)
@@ -335,7 +372,12 @@ class Monitor:
             else:
                 self._observe_split(seconds, data_wait, comm_seconds)
             self._record_learning_rates()
-            if self._deferred and context.index % self.config.resolve_every_n_steps == 0:
+            due = context.index % self.config.resolve_every_n_steps == 0
+            if self._scaler is not None:
+                scale = _scale_of(self._scaler)  # after the loop's scaler.update()
+                if due or not isinstance(scale, torch.Tensor) or scale.is_cpu:  # a device read waits for a flush
+                    self.set("loss_scale", scale)
+            if self._deferred and due:
                 self.flush()
         except Exception as exc:
             self._fail("step", exc)
@@ -370,6 +412,10 @@ class Monitor:
         if values and values[-1]:
             self._metric["nonfinite_steps_total"].inc()
 
+    def _on_overflow(self, values: list[float]) -> None:
+        if values and values[-1]:
+            self._metric["loss_scale_overflows_total"].inc()
+
     def _module_sink(self, metric: str, groups: list[str], values: torch.Tensor) -> None:
         self.set_each(metric, values, "module", groups)
 
@@ -395,6 +441,7 @@ class Monitor:
 # Metrics without extra labels, bound once so the hot path is a dict lookup.
 _UNLABELLED = (
     "step_duration_seconds",
+    "data_wait_seconds",
     "comm_duration_seconds",
     "compute_duration_seconds",
     "steps_total",
@@ -406,7 +453,21 @@ _UNLABELLED = (
     "nonfinite_steps_total",
     "skipped_steps_total",
     "loss_spikes_total",
+    "loss_scale_overflows_total",
 )
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _scale_of(scaler: Any) -> Value:
+    """The scaler's current loss scale without a host-device sync where torch allows it (the
+    scale tensor joins the batched transfer); `get_scale()` itself reads it to the host."""
+    scale_async = getattr(scaler, "_get_scale_async", None)
+    scale = scale_async() if callable(scale_async) else None
+    return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
 
 
 def _full(name: str) -> str:

@@ -36,7 +36,7 @@ class NullMonitor:
     def close(self) -> None:
         return None
 
-    def watch(self, model: Any, optimizer: Any = None) -> None:
+    def watch(self, model: Any, optimizer: Any = None, scaler: Any = None) -> None:
         return None
 
     def attach_comm_hook(self, ddp_model: Any) -> None:
@@ -54,10 +54,10 @@ class NullMonitor:
         yield _NullStep(self.global_step)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> Any:  # fmt: skip
+                        error_if_nonfinite: bool = False, foreach: Any = None) -> Any:  # fmt: skip
         import torch  # here: the null monitor is importable without torch until it is needed
 
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def set_step(self, step: int) -> None:
         self.global_step = step

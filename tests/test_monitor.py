@@ -286,3 +286,74 @@ def test_a_nan_among_observed_values_takes_the_plain_path():
     child = Histogram("h", "help", registry=CollectorRegistry(), buckets=(1.0,))
     observe_all(child, [0.5, float("nan"), 2.0])
     assert [b.get() for b in child._buckets] == [1.0, 1.0]  # NaN lands in no bucket, as observe() does
+
+
+def _histogram(monitor, name):
+    return value(monitor, name + "_count"), value(monitor, name + "_sum")
+
+
+def test_a_batch_prefetched_inside_the_step_is_data_wait_but_not_added_to_the_step_time():
+    monitor = make()
+    with monitor.step():
+        monitor.record_data_wait(0.25)  # e.g. the next batch fetched inside the step
+    (steps, step_sum), (waits, wait_sum) = (
+        _histogram(monitor, "rankscope_step_duration_seconds"),
+        _histogram(monitor, "rankscope_data_wait_seconds"),
+    )
+    assert steps == 1 and waits == 1 and wait_sum == 0.25
+    assert step_sum < 0.25  # the block took no time of its own: the wait is not counted twice
+    assert value(monitor, "rankscope_compute_duration_seconds_sum") == 0.0
+
+
+def test_a_wait_reported_before_the_step_is_added_and_several_waits_of_one_step_sum():
+    monitor = make()
+    monitor.record_data_wait(0.5)
+    with monitor.step():
+        monitor.record_data_wait(0.125)  # a second micro-batch fetched inside the step
+    (_, step_sum), (waits, wait_sum) = (
+        _histogram(monitor, "rankscope_step_duration_seconds"),
+        _histogram(monitor, "rankscope_data_wait_seconds"),
+    )
+    assert waits == 1 and wait_sum == 0.625
+    assert 0.5 <= step_sum < 0.625  # the wait before the block is added, the one inside is not
+
+
+def test_a_loop_that_reports_no_data_wait_gets_no_data_wait_series():
+    monitor = make()
+    with monitor.step():
+        pass
+    assert value(monitor, "rankscope_data_wait_seconds_count") == 0.0
+
+
+def _scaled_steps(monitor, losses_and_norms):
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.watch(model, optimizer, scaler=scaler)
+    applied = []
+    for loss, norm in losses_and_norms:
+        with monitor.step() as step:
+            applied.append(step.record(loss=torch.tensor(loss), grad_norm=torch.tensor(norm)))
+    return applied
+
+
+def test_with_a_grad_scaler_overflows_are_counted_apart_from_non_finite_losses():
+    monitor = make(skip_nonfinite=True)
+    inf, nan = float("inf"), float("nan")
+    applied = _scaled_steps(monitor, [(1.0, 0.5), (1.0, inf), (1.0, nan), (nan, nan), (1.0, 0.5)])
+    assert value(monitor, "rankscope_loss_scale_overflows_total") == 2.0
+    assert value(monitor, "rankscope_nonfinite_steps_total") == 1.0  # the NaN loss only
+    # The guard leaves overflows to the scaler (it skips them itself) and skips the non-finite loss.
+    assert applied == [True, True, True, False, True]
+    assert value(monitor, "rankscope_loss_scale") == 1024.0
+
+
+def test_without_a_grad_scaler_an_infinite_gradient_norm_is_a_non_finite_step():
+    monitor = make()
+    model = tiny_model()
+    monitor.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with monitor.step() as step:
+        step.record(loss=torch.tensor(1.0), grad_norm=torch.tensor(float("inf")))
+    assert value(monitor, "rankscope_nonfinite_steps_total") == 1.0
+    assert value(monitor, "rankscope_loss_scale_overflows_total") == 0.0
+    assert value(monitor, "rankscope_loss_scale") is None
