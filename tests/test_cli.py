@@ -23,15 +23,17 @@ TOKEN = "cli-token"
 class Loop:
     """A stand-in training loop: a thread calling at_step_boundary until stopped."""
 
-    def __init__(self, channel: ControlChannel) -> None:
+    def __init__(self, channel: ControlChannel, optimizer: torch.optim.Optimizer) -> None:
         self.channel = channel
+        self.optimizer = optimizer
         self.checkpoints: list[str] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def checkpoint(self, reason: str) -> None:
+    def checkpoint(self, reason: str) -> bool:
         self.checkpoints.append(reason)
+        return True
 
     def request_stop(self, reason: str) -> None:
         self._done.set()
@@ -40,6 +42,7 @@ class Loop:
         step = 0
         while not self._done.wait(0.01):  # a step every 10 ms
             step += 1
+            self.optimizer.step()  # a reduced rate is applied once the optimizer steps with it
             self.channel.at_step_boundary(step, self)
 
     def close(self) -> None:
@@ -54,7 +57,7 @@ def endpoint(monkeypatch, tmp_path):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     config = ControlConfig(port=0, lr_max_reductions=1, pause_heartbeat_seconds=0.05)
     channel = ControlChannel(config, monitor, optimizer=optimizer)
-    loop = Loop(channel)
+    loop = Loop(channel, optimizer)
     wait_for(lambda: channel.snapshot.read()["step"] >= 1, 10, "the loop's first step")
     monkeypatch.setenv("RANKSCOPE_CONTROL_URL", channel.url)
     yield channel, loop, optimizer

@@ -25,10 +25,11 @@ class LoopHandler:
         self.stop_reason: str | None = None
         self.fail_checkpoints = fail_checkpoints
 
-    def checkpoint(self, reason: str) -> None:
+    def checkpoint(self, reason: str) -> bool:
         if self.fail_checkpoints:
             raise OSError("disk full")
         self.checkpoints.append(reason)
+        return True
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -116,17 +117,84 @@ def test_a_disabled_channel_serves_nothing_and_applies_nothing(monitor):
     channel.close()
 
 
-def test_an_action_applies_at_the_next_boundary_and_records_its_step(make_channel, monitor, optimizer):
+def test_a_reduction_is_applied_once_the_optimizer_stepped_with_the_reduced_rate(make_channel, monitor, optimizer):
     channel = make_channel()
     handler = LoopHandler()
     action_id = post(channel, "reduce_lr", lr_factor=0.25)
     assert channel.queue.snapshot()["pending"][0]["id"] == action_id
     assert channel.at_step_boundary(7, handler) == ["reduce_lr"]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
-    record = recent(channel)[action_id]
-    assert (record["status"], record["step"]) == ("applied", 7)
+    # Carried out, but not yet used by the optimizer: still pending, saying what it waits for.
+    (pending,) = channel.queue.snapshot()["pending"]
+    assert pending["id"] == action_id and "next optimizer step" in pending["detail"]
     assert channel.snapshot.read()["learning_rates"] == pytest.approx([0.025])
+    optimizer.step()
+    channel.at_step_boundary(8, handler)
+    record = recent(channel)[action_id]
+    assert (record["status"], record["step"], record["detail"]) == ("applied", 7, "took effect by step 8")
     assert actions_total(monitor, "reduce_lr", "operator", "applied") == 1
+    assert channel.lr_scale == 0.25
+
+
+def test_a_reduction_the_loop_overwrites_is_overridden_and_uses_no_cap_or_cooldown(
+    make_channel, monitor, optimizer, caplog
+):
+    channel = make_channel(lr_max_reductions=1, lr_cooldown_steps=100)
+    handler = LoopHandler()
+    first = post(channel, "reduce_lr")
+    channel.at_step_boundary(1, handler)
+    optimizer.param_groups[0]["lr"] = 0.1  # a hand-written LR function, ignoring the reduction
+    with caplog.at_level("WARNING", logger="rankscope"):
+        optimizer.step()
+        channel.at_step_boundary(2, handler)
+    record = recent(channel)[first]
+    assert record["status"] == "overridden"
+    assert "overwrote the reduced learning rate" in record["detail"] and "lr_scale" in record["detail"]
+    assert "overridden" in caplog.text
+    assert actions_total(monitor, "reduce_lr", "operator", "overridden") == 1
+    assert actions_total(monitor, "reduce_lr", "operator", "applied") == 0
+    assert channel.lr_scale == 1.0  # taken back
+    # Neither the cap of 1 nor the 100-step cooldown was used: a second request is carried out, and a
+    # loop that multiplies in lr_scale (the README's recipe) gets it applied.
+    second = post(channel, "reduce_lr")
+    channel.at_step_boundary(3, handler)
+    optimizer.param_groups[0]["lr"] = 0.1 * channel.lr_scale
+    optimizer.step()
+    channel.at_step_boundary(4, handler)
+    assert recent(channel)[second]["status"] == "applied"
+    assert channel.lr_scale == 0.5
+
+
+def test_no_factor_takes_a_rate_below_its_floor_relative_to_the_starting_rate(make_channel, optimizer):
+    channel = make_channel()
+    action_id = post(channel, "reduce_lr", lr_factor=1e-300)
+    channel.at_step_boundary(1, LoopHandler())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 1e-3)  # lr_floor_ratio of the starting 0.1
+    assert channel.lr_scale == pytest.approx(1e-3)
+    optimizer.step()
+    channel.at_step_boundary(2, LoopHandler())
+    assert recent(channel)[action_id]["status"] == "applied"
+    refused = post(channel, "reduce_lr")
+    channel.at_step_boundary(3, LoopHandler())
+    assert recent(channel)[refused]["status"] == "refused_floor"
+
+
+def test_the_control_state_survives_a_checkpoint(make_channel, optimizer, monitor):
+    channel = make_channel(lr_max_reductions=1)
+    post(channel, "reduce_lr")
+    channel.at_step_boundary(1, LoopHandler())
+    optimizer.step()
+    channel.at_step_boundary(2, LoopHandler())
+    state = channel.state_dict()
+    channel.close()
+    resumed = make_channel(lr_max_reductions=1)
+    resumed.load_state_dict(state)
+    assert resumed.lr_scale == 0.5
+    capped = post(resumed, "reduce_lr")
+    resumed.at_step_boundary(3, LoopHandler())
+    assert recent(resumed)[capped]["status"] == "refused_cap"  # the cap counts the run, not the process
+    with pytest.raises(ValueError, match="control state has format"):
+        resumed.load_state_dict({"format": 99})
 
 
 def test_a_checkpoint_passes_its_reason_to_the_loop(make_channel):
@@ -142,8 +210,10 @@ def test_refusals_by_cooldown_cap_and_floor_are_visible_in_status_and_metrics(ma
     handler = LoopHandler()
     first, too_soon = post(channel, "reduce_lr"), post(channel, "reduce_lr")
     channel.at_step_boundary(1, handler)
+    optimizer.step()
     second = post(channel, "reduce_lr")
     channel.at_step_boundary(11, handler)
+    optimizer.step()
     capped = post(channel, "reduce_lr")
     channel.at_step_boundary(30, handler)
     outcomes = recent(channel)
@@ -176,6 +246,35 @@ def test_actions_wait_for_a_step_divisible_by_check_every_n_steps(make_channel):
     assert handler.checkpoints == []
     assert channel.at_step_boundary(5, handler) == ["checkpoint"]
     assert channel.snapshot.read()["step"] == 5
+
+
+def test_a_checkpoint_the_loop_did_not_write_is_failed(make_channel, monitor):
+    class Forgetful(LoopHandler):
+        def checkpoint(self, reason: str) -> None:
+            self.checkpoints.append(reason)  # and returns None: nothing was written
+
+    channel = make_channel()
+    action_id = post(channel, "checkpoint")
+    channel.at_step_boundary(2, Forgetful())
+    record = recent(channel)[action_id]
+    assert record["status"] == "failed" and "no checkpoint was written" in record["detail"]
+
+
+def test_a_checkpoint_written_later_is_applied_when_the_loop_says_so(make_channel):
+    written = []
+
+    class Deferred(LoopHandler):
+        def checkpoint(self, reason: str):
+            return lambda: True if written else None
+
+    channel = make_channel()
+    action_id = post(channel, "checkpoint")
+    channel.at_step_boundary(2, Deferred())
+    channel.at_step_boundary(3, Deferred())
+    assert channel.queue.snapshot()["pending"][0]["id"] == action_id
+    written.append("checkpoint-3")
+    channel.at_step_boundary(4, Deferred())
+    assert recent(channel)[action_id]["status"] == "applied"
 
 
 def test_a_failing_checkpoint_is_reported_failed_and_the_loop_goes_on(make_channel, monitor):
@@ -217,24 +316,72 @@ def test_a_pause_holds_the_boundary_until_resume(make_channel, monitor):
     assert channel.snapshot.read()["paused"] is False
 
 
-def test_stop_ends_a_pause_and_asks_the_loop_to_stop(make_channel):
+def test_stop_ends_a_pause_and_asks_the_loop_to_stop(make_channel, monitor):
     channel = make_channel(pause_heartbeat_seconds=0.05)
     handler = LoopHandler()
     post(channel, "pause")
-    post(channel, "stop")
+    stop = post(channel, "stop")
     assert channel.at_step_boundary(9, handler) == ["pause", "stop"]
     assert handler.stop_reason == "operator:unit"
     assert channel.stop_requested and not channel.paused
     status = requests.get(channel.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
     assert status.json()["stopping"] is True
+    assert stop in {r["id"] for r in status.json()["pending"]}  # until the loop has left
+    channel.close()
+    assert recent(channel)[stop]["status"] == "applied"
+    assert actions_total(monitor, "stop", "operator", "applied") == 1
+
+
+def test_a_loop_that_trains_on_after_a_stop_gets_it_overridden(make_channel):
+    channel = make_channel()
+    stop = post(channel, "stop")
+    channel.at_step_boundary(5, LoopHandler())
+    channel.at_step_boundary(6, LoopHandler())  # a loop that did not break
+    record = recent(channel)[stop]
+    assert record["status"] == "overridden" and "went on training" in record["detail"]
+    assert not channel.stop_requested
+
+
+def test_sigterm_means_checkpoint_then_stop_at_the_next_boundary(make_channel, monitor):
+    import os
+    import signal
+
+    channel = make_channel()
+    handler = LoopHandler()
+    os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled by the channel's handler
+    assert channel.at_step_boundary(4, handler) == ["stop"]
+    assert handler.stop_reason == "signal:SIGTERM" and channel.stop_requested
+    channel.close()
+    assert actions_total(monitor, "stop", "signal", "applied") == 1
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler found at start is back
+
+
+def test_a_channel_without_an_endpoint_needs_no_token_and_still_stops_on_a_signal(monitor, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.delenv("RANKSCOPE_CONTROL_TOKEN", raising=False)
+    channel = ControlChannel(ControlConfig(endpoint=False), monitor)
+    try:
+        assert channel.url is None
+        handler = LoopHandler()
+        assert channel.at_step_boundary(1, handler) == []
+        os.kill(os.getpid(), signal.SIGINT)
+        assert channel.at_step_boundary(2, handler) == ["stop"]
+        assert handler.stop_reason == "signal:SIGINT"
+    finally:
+        channel.close()
 
 
 def test_a_null_monitor_is_enough(monkeypatch, optimizer):
     monkeypatch.setenv("RANKSCOPE_CONTROL_TOKEN", TOKEN)
     channel = ControlChannel(ControlConfig(port=0), NullMonitor(), optimizer=optimizer)
     try:
-        post(channel, "reduce_lr")
+        action_id = post(channel, "reduce_lr")
         assert channel.at_step_boundary(1, LoopHandler()) == ["reduce_lr"]
+        optimizer.step()
+        channel.at_step_boundary(2, LoopHandler())
+        assert recent(channel)[action_id]["status"] == "applied"
     finally:
         channel.close()
 

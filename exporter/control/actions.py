@@ -33,7 +33,8 @@ RESULTS: tuple[str, ...] = (
     "refused_cooldown",  # the same action was applied too recently
     "refused_cap",  # the action's cap (e.g. lr_max_reductions) is reached
     "refused_floor",  # reduce_lr with every learning rate already at the floor
-    "failed",  # some rank raised while applying it (see its log)
+    "overridden",  # carried out, but its effect did not happen (e.g. the loop overwrote a reduced learning rate)
+    "failed",  # some rank raised while applying it (see its log), or the loop reported it not done
     "duplicate",  # an alert (fingerprint, startsAt) already received
     "ignored",  # a resolved alert, or one without an `action` label
 )

@@ -24,13 +24,27 @@ How the ranks stay in lockstep:
   empty list, or whatever arrived) every `pause_heartbeat_seconds`, so no
   collective ever waits longer than that, however long the pause lasts, and
   the process group's timeout never trips.
+- The first collective of a round is an all-reduce that also carries each
+  rank's stop flags (SIGTERM/SIGINT received, torchrun agent gone; see
+  `stops`): a signal on any rank stops every rank at the same step.
+
+What the outcome means (see `effects`): "applied" only once the effect
+happened on every rank. `reduce_lr` waits for the next optimizer step and
+checks the rate it used ("overridden" if the loop overwrote it: the
+reduction then uses no cap or cooldown and is undone); `checkpoint` is
+applied when the loop's `checkpoint()` says it wrote one; `stop` when the
+loop has left (the channel is closed), "overridden" if it trained on.
+Until then the action is "pending" in the status, with what it waits for.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -39,31 +53,49 @@ from prometheus_client import CollectorRegistry
 from ..contract import PREFIX
 from ..identity import RankIdentity
 from ..instruments import Instruments
+from .actions import ActionRequest
 from .app import AppDeps, create_app
-from .collective import agree_on_worst, broadcast_json
+from .collective import agree_on_worst, broadcast_json, exchange
 from .config import ControlConfig, load_token
+from .effects import Check, LRReductionCheck, OptimizerWatch
 from .limits import ActionLimits
-from .lr import can_reduce, current_learning_rates, scale_learning_rates
+from .lr import (
+    _as_float,
+    can_reduce,
+    capture_references,
+    current_learning_rates,
+    restore_references,
+    scale_learning_rates,
+)
 from .server import ControlServer, serve_control
 from .state import ActionQueue, ActionRecord, RunSnapshot
+from .stops import StopSignals, first_reason
 
 __all__ = ["ControlChannel", "ControlHandler", "ControlStartError"]
 
 logger = logging.getLogger("rankscope")
 
-# Outcome codes agreed by MAX over ranks: the worst outcome on any rank wins.
-_APPLIED, _NOOP, _FAILED = 0, 1, 2
-_RESULT = {_APPLIED: "applied", _NOOP: "noop", _FAILED: "failed"}
+# Outcome codes agreed by MAX over ranks: the worst outcome on any rank wins (a rank still waiting
+# for the effect keeps the action pending; one that saw it fail makes it fail everywhere).
+_APPLIED, _NOOP, _AWAITING, _OVERRIDDEN, _FAILED = 0, 1, 2, 3, 4
+_RESULT = {_APPLIED: "applied", _NOOP: "noop", _OVERRIDDEN: "overridden", _FAILED: "failed"}
+#: Format of `ControlChannel.state_dict()`.
+_STATE_FORMAT = 1
 
 
 class ControlHandler(Protocol):
-    """What the training loop provides to carry out actions it alone knows how to do."""
+    """What the training loop provides to carry out actions it alone knows how to do (every rank)."""
 
-    def checkpoint(self, reason: str) -> None:
-        """Write a checkpoint now, recording `reason` ("alert:<alertname>", "operator:<reason>")."""
+    def checkpoint(self, reason: str) -> Any:
+        """Write a checkpoint now, recording `reason` ("alert:<alertname>", "operator:<reason>").
+
+        Return something true (the path written, or True) once it is written, something false if it
+        was not; a framework that writes it later returns a callable answering None until then, True
+        once written, or a one-line reason it was not. Only then is the action "applied"."""
 
     def request_stop(self, reason: str) -> None:
-        """Make the loop checkpoint and exit cleanly (status 0) after this step."""
+        """Make the loop checkpoint and leave its loop (exit 0) after this step; the action is "applied"
+        once the loop has left (`ControlChannel.close()`), "overridden" if it trains on."""
 
 
 class ControlStartError(RuntimeError):
@@ -101,13 +133,25 @@ class ControlChannel:
         self._server: ControlServer | None = None
         self._paused = False
         self._stop_requested = False
+        self._lr_scale = 1.0
+        self._lr_references: list[float] = []
+        # Actions carried out whose effect is not confirmed yet, by order id, in the order carried out:
+        # on every rank what to check and how to undo it; on rank 0 also the record to settle.
+        self._checks: dict[str, _Awaited] = {}
+        self._awaiting: dict[str, ActionRecord] = {}
+        self._signals: StopSignals | None = None
+        self._watch: OptimizerWatch | None = None
         if not self.config.enabled:
             return
         self._instruments.child(PREFIX + "paused").set(0)
+        if optimizer is not None:
+            self._watch = OptimizerWatch(optimizer)
+            self._lr_references = self._initial_references()
         if self._distributed:
             self._group = self._new_group()
-        error = self._start_server(identity.run_id) if self.rank == 0 else ""
+        error = self._start_server(identity.run_id) if self.rank == 0 and self.config.endpoint else ""
         self._agree_on_start(error)
+        self._signals = StopSignals(self.config.handle_signals, self.config.stop_when_orphaned)
 
     # --- public ------------------------------------------------------------------
 
@@ -124,8 +168,17 @@ class ControlChannel:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
+    @property
+    def lr_scale(self) -> float:
+        """The product of the learning-rate reductions carried out so far (1.0 until the first one).
+
+        A loop that computes its own learning rate honours reductions by multiplying it in:
+        `group["lr"] = my_lr(step) * channel.lr_scale`. Saved with `state_dict()`."""
+        return self._lr_scale
+
     def at_step_boundary(self, step: int, handler: ControlHandler) -> list[str]:
-        """Apply pending actions on every rank at `step`; returns the actions applied here.
+        """Carry out pending actions on every rank at `step`; returns the actions carried out here
+        (their outcome may be settled at a later boundary, once their effect is seen).
 
         Every rank must call it after every step with the same `step`. Blocks
         while the run is paused.
@@ -141,11 +194,44 @@ class ControlChannel:
             applied += self._hold(step, handler)
         return applied
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep for the control loop to resume as it was: the learning-rate
+        scale and reference rates, and how often each action was applied (caps hold across resumes)."""
+        return {
+            "format": _STATE_FORMAT,
+            "lr_scale": self._lr_scale,
+            "lr_references": list(self._lr_references),
+            "applied": self._limits.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` (every rank, before the first step boundary)."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"control state has format {state.get('format')!r}, this version reads {_STATE_FORMAT}")
+        self._lr_scale = float(state["lr_scale"])
+        saved = [float(v) for v in state["lr_references"]]
+        if len(saved) == len(self._lr_references):
+            self._lr_references = [max(a, b) for a, b in zip(saved, self._lr_references, strict=True)]
+        self._limits.load_state_dict(state["applied"])
+
     def close(self) -> None:
-        """Stop serving (rank 0). Local: issues no collective. Idempotent."""
+        """Stop serving (rank 0). Local: issues no collective. Idempotent.
+
+        A requested stop is "applied" here: the loop has left."""
+        for order_id, record in list(self._awaiting.items()):
+            if record.action == "stop":
+                self._settle(record, "applied", self._checks[order_id].step)
+                del self._awaiting[order_id]
+        self._checks.clear()
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._signals is not None:
+            self._signals.close()
+            self._signals = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self.config.enabled:
             self._instruments.child(PREFIX + "paused").set(0)
 
@@ -174,8 +260,6 @@ class ControlChannel:
                     f"{self.config.token_env or 'RANKSCOPE_CONTROL_TOKEN'} environment variable "
                     "(or control.insecure: true on a trusted network)"
                 )
-            if token is None:
-                logger.warning("rankscope: control endpoint started WITHOUT a token (control.insecure: true)")
             deps = AppDeps(
                 self.queue,
                 self.snapshot,
@@ -188,7 +272,13 @@ class ControlChannel:
             self._server = serve_control(create_app(deps), self.config.host, self.config.port)
         except (ValueError, OSError, RuntimeError) as exc:
             return str(exc)
-        logger.info("rankscope: control endpoint at %s", self._server.url)
+        where = f"{self.config.host}:{self._server.port}"
+        if self.config.host in ("0.0.0.0", "::", ""):
+            where += " (every interface)"
+        if token is None:
+            logger.warning("rankscope: control endpoint listening on %s WITHOUT a token (control.insecure)", where)
+        else:
+            logger.info("rankscope: control endpoint listening on %s (%s)", where, self._server.url)
         return ""
 
     def _agree_on_start(self, error: str) -> None:
@@ -199,26 +289,49 @@ class ControlChannel:
         if error:
             raise ControlStartError(error if self.rank == 0 else f"control endpoint failed on rank 0: {error}")
 
+    def _initial_references(self) -> list[float]:
+        """Each group's reference rate for the relative floor: its scheduler's initial rate if it has one."""
+        peak = self._watch.peak if self._watch is not None else []
+        groups = self._optimizer.param_groups
+        return [max(_as_number(g.get("initial_lr", 0.0)), p) for g, p in zip(groups, peak, strict=False)]
+
+    def _floors(self) -> list[float]:
+        """Per param group: the lowest rate a reduction may reach."""
+        peak = self._watch.peak if self._watch is not None else []
+        references = [max(r, p) for r, p in zip(self._lr_references, peak, strict=False)]
+        self._lr_references = references
+        return [max(self.config.lr_floor, self.config.lr_floor_ratio * r) for r in references]
+
     # --- the step boundary ------------------------------------------------------------
 
     def _exchange(self, step: int, handler: ControlHandler) -> list[str]:
         """One round: rank 0 decides, all ranks receive and apply, all agree on the outcome."""
-        records = self._decide(step) if self.rank == 0 else []
-        orders = [self._order(record) for record in records]
+        records = {record.id: record for record in self._decide(step)} if self.rank == 0 else {}
+        message = None
+        if self.rank == 0 and (records or self._awaiting):
+            orders = [self._order(record) for record in records.values()]
+            message = {"orders": orders, "awaiting": list(self._awaiting)}
+        flags = self._signals.flags() if self._signals is not None else [0, 0, 0]
         if self._distributed:
-            orders = broadcast_json(orders or None, self._group, self.rank) or []
-        if not orders:
+            message, flags = exchange(message, flags, self._group, self.rank)
+        message = message or {"orders": [], "awaiting": []}
+        reason = first_reason(flags)
+        if reason is not None and not self._stop_requested:
+            message["orders"].append(self._stop_order(reason, step, records))
+        if not message["orders"] and not message["awaiting"]:
             return []
-        outcomes = [self._apply(order, step, handler) for order in orders]
-        codes = [code for code, _ in outcomes]
+        # Earlier actions' effects first (they happened before this boundary), then this round's actions.
+        verdicts = [self._verify(order_id) for order_id in message["awaiting"]]
+        outcomes = [self._apply(order, step, handler) for order in message["orders"]]
+        codes = [code for code, _ in verdicts + outcomes]
         agreed = agree_on_worst(codes, self._group) if self._distributed else codes
-        if self.rank == 0:
-            # Rank 0 broadcast `records` in this order, so index i of every list is the same action.
-            for record, (code, detail), worst in zip(records, outcomes, agreed, strict=True):
-                if worst == _FAILED and code != _FAILED:
-                    detail = "failed on another rank; see that rank's log"
-                self._settle(record, _RESULT[worst], step, detail)
-        return [order["action"] for order, worst in zip(orders, agreed, strict=True) if worst == _APPLIED]
+        for order_id, (code, detail), worst in zip(message["awaiting"], verdicts, agreed, strict=False):
+            if worst != _AWAITING:
+                self._conclude(order_id, code, detail, worst, step)
+        carried = agreed[len(verdicts) :]
+        for order, (code, detail), worst in zip(message["orders"], outcomes, carried, strict=True):
+            self._after_apply(order, code, detail, worst, step, records.get(order["id"]))
+        return [order["action"] for order, worst in zip(message["orders"], carried, strict=True) if worst <= _AWAITING]
 
     def _decide(self, step: int) -> list[ActionRecord]:
         """Rank 0: what to broadcast; refusals are settled here and never reach other ranks."""
@@ -228,37 +341,42 @@ class ControlChannel:
             if refusal is None and record.action == "reduce_lr":
                 if self._optimizer is None:
                     refusal = ("failed", "no optimizer was given to the ControlChannel")
-                elif not can_reduce(self._optimizer, self.config.lr_floor):
-                    refusal = ("refused_floor", f"every learning rate is at the floor {self.config.lr_floor:g}")
+                elif not can_reduce(self._optimizer, self._floors()):
+                    refusal = ("refused_floor", "every learning rate is at its floor")
             if refusal is not None:
                 self._settle(record, refusal[0], step, refusal[1])
                 continue
-            # Counted now, so a second request in the same batch already sees the cooldown.
+            # Counted now, so a second request in the same batch already sees the cooldown
+            # (taken back if the effect does not happen).
             self._limits.record(record.action, step)
             chosen.append(record)
         return chosen
 
     def _order(self, record: ActionRecord) -> dict[str, Any]:
         """What the other ranks need to apply `record` (the wire format of one action)."""
-        return {
-            "action": record.action,
-            "reason": record.reason,
-            "lr_factor": record.params.get("lr_factor", self.config.lr_factor),
-        }
+        order: dict[str, Any] = {"id": record.id, "action": record.action, "reason": record.reason}
+        if record.action == "reduce_lr":
+            order["lr_factor"] = record.params.get("lr_factor", self.config.lr_factor)
+            order["floors"] = self._floors()  # rank 0's, so every rank scales alike
+        return order
+
+    def _stop_order(self, reason: str, step: int, records: dict[str, ActionRecord]) -> dict[str, Any]:
+        """Every rank builds the same stop order from the agreed flags; rank 0 also records it."""
+        order = {"id": f"signal@{step}", "action": "stop", "reason": reason}
+        if self.rank == 0:
+            records[order["id"]] = self.queue.start(ActionRequest("stop", "signal", reason))
+            logger.warning("rankscope: %s: every rank checkpoints and stops at step %d", reason, step)
+        return order
 
     def _apply(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         """Carry out one order on this rank; (outcome code, one-line detail)."""
         action, reason = order["action"], order["reason"]
         try:
             if action == "checkpoint":
-                handler.checkpoint(reason)
-            elif action == "reduce_lr":
-                rates = scale_learning_rates(
-                    self._optimizer, self._scheduler, float(order["lr_factor"]), self.config.lr_floor
-                )
-                if self.rank == 0:
-                    self.snapshot.update(learning_rates=rates)
-            elif action == "pause":
+                return self._expect(order, step, _checkpoint_check(handler.checkpoint(reason)))
+            if action == "reduce_lr":
+                return self._reduce_lr(order, step)
+            if action == "pause":
                 if self._paused:
                     return _NOOP, "already paused"
                 self._set_paused(True)
@@ -272,11 +390,94 @@ class ControlChannel:
                 if self.rank == 0:
                     self.snapshot.update(stop_requested=True)
                 handler.request_stop(reason)
+                return self._expect(order, step, _trained_on, undo=self._unstop)
         except Exception as exc:  # an action must not kill training; the outcome says it failed
             logger.exception("rankscope: rank %d failed to apply %s at step %d", self.rank, action, step)
             return _FAILED, f"rank {self.rank}: {type(exc).__name__}: {exc}"[:200]
-        logger.info("rankscope: rank %d applied %s at step %d (%s)", self.rank, action, step, reason)
         return _APPLIED, ""
+
+    def _reduce_lr(self, order: dict[str, Any], step: int) -> tuple[int, str]:
+        factor, floors = float(order["lr_factor"]), order["floors"]
+        before = current_learning_rates(self._optimizer)
+        saved = capture_references(self._optimizer, self._scheduler)
+        scale = self._lr_scale
+        written = scale_learning_rates(self._optimizer, self._scheduler, factor, floors)
+        self._lr_scale = max(scale * factor, self.config.lr_floor_ratio)
+        if self.rank == 0:
+            self.snapshot.update(learning_rates=written)
+        check = LRReductionCheck(before, written)
+        if self._watch is not None:
+            self._watch.expect(check)
+        else:
+            check.used = written  # no optimizer to watch: nothing can overwrite what was written
+
+        def undo() -> None:
+            restore_references(saved)
+            self._lr_scale = scale
+
+        return self._expect(order, step, check, undo)
+
+    def _unstop(self) -> None:
+        self._stop_requested = False
+        if self.rank == 0:
+            self.snapshot.update(stop_requested=False)
+
+    def _expect(
+        self, order: dict[str, Any], step: int, check: Check, undo: Callable[[], None] | None = None
+    ) -> tuple[int, str]:
+        """Settle at once if the effect is already known, else keep the check for later boundaries."""
+        awaited = self._checks[order["id"]] = _Awaited(order["action"], step, check, undo)
+        verdict = check() if order["action"] != "stop" else None  # a stop is seen at the next boundary
+        return (_AWAITING, "") if verdict is None else awaited.code(verdict)
+
+    def _verify(self, order_id: str) -> tuple[int, str]:
+        awaited = self._checks.get(order_id)
+        if awaited is None:
+            return _APPLIED, ""  # nothing left to see on this rank
+        try:
+            verdict = awaited.check()
+        except Exception as exc:
+            return _FAILED, f"rank {self.rank}: checking the effect failed: {type(exc).__name__}: {exc}"[:200]
+        return (_AWAITING, "") if verdict is None else awaited.code(verdict)
+
+    def _after_apply(
+        self, order: dict[str, Any], code: int, detail: str, worst: int, step: int, record: ActionRecord | None
+    ) -> None:
+        """This round's action, once every rank's outcome is known: settle it, or wait for its effect."""
+        if worst == _AWAITING:
+            if code != _AWAITING:
+                self._checks[order["id"]].check = _done  # seen here already; another rank still waits
+            if record is not None:
+                self._awaiting[order["id"]] = self.queue.note(
+                    record, f"carried out at step {step}; {_waits_for(order)}"
+                )
+            return
+        self._finish(order["id"], code, detail, worst, step, record)
+
+    def _conclude(self, order_id: str, code: int, detail: str, worst: int, step: int) -> None:
+        """An awaited effect is now known on every rank."""
+        self._finish(order_id, code, detail, worst, step, self._awaiting.pop(order_id, None))
+
+    def _finish(
+        self, order_id: str, code: int, detail: str, worst: int, step: int, record: ActionRecord | None
+    ) -> None:
+        """Settle an action whose outcome every rank now knows; `step` is the boundary where that became known."""
+        awaited = self._checks.pop(order_id, None)
+        carried_at = awaited.step if awaited is not None else step
+        if worst >= _OVERRIDDEN and awaited is not None and awaited.undo is not None:
+            awaited.undo()  # the effect did not happen: put back what was changed
+        action = record.action if record is not None else (awaited.action if awaited is not None else "?")
+        if code >= _OVERRIDDEN:
+            logger.warning("rankscope: rank %d: %s %s at step %d: %s", self.rank, action, _RESULT[code], step, detail)
+        elif worst == _APPLIED:
+            logger.info("rankscope: rank %d applied %s at step %d", self.rank, action, carried_at)
+            if carried_at != step:
+                detail = f"took effect by step {step}"
+        if record is not None:
+            if worst >= _OVERRIDDEN:
+                self._limits.undo(record.action)  # no cap or cooldown used by what did not happen
+            result_detail = detail if worst == code else f"{_RESULT[worst]} on another rank; see that rank's log"
+            self._settle(record, _RESULT[worst], carried_at, result_detail)
 
     def _hold(self, step: int, handler: ControlHandler) -> list[str]:
         """Loop at the boundary until resumed (or stopped)."""
@@ -307,3 +508,49 @@ class ControlChannel:
     def _count(self, action: str, source: str, result: str) -> None:
         # Rank 0 only: the channel's decisions happen there, so a sum over ranks counts each once.
         self._instruments.child(PREFIX + "control_actions_total", action=action, source=source, result=result).inc()
+
+
+class _Awaited:
+    """One carried-out action whose effect this rank has not confirmed yet."""
+
+    __slots__ = ("action", "step", "check", "undo")
+
+    def __init__(self, action: str, step: int, check: Check, undo: Callable[[], None] | None) -> None:
+        self.action, self.step, self.check, self.undo = action, step, check, undo
+
+    def code(self, verdict: bool | str) -> tuple[int, str]:
+        """A known verdict as an outcome: a checkpoint not written failed; other effects were overridden."""
+        if verdict is True:
+            return _APPLIED, ""
+        return (_FAILED if self.action == "checkpoint" else _OVERRIDDEN), str(verdict or "the effect did not happen")
+
+
+def _checkpoint_check(result: Any) -> Check:
+    """The handler's answer to checkpoint() as a check (see ControlHandler.checkpoint)."""
+    if callable(result) and not isinstance(result, (str, Path)):
+        return result
+    if result:
+        return _done
+    return lambda: "the loop's checkpoint() reported that no checkpoint was written"
+
+
+def _done() -> bool:
+    return True
+
+
+def _trained_on() -> str:
+    # Asked at the next boundary, which a loop that stopped never reaches.
+    return "the loop went on training after request_stop() (it must leave its loop)"
+
+
+def _waits_for(order: dict[str, Any]) -> str:
+    return {
+        "reduce_lr": "waiting for the next optimizer step to use the reduced rate",
+        "checkpoint": "waiting for the loop to write the checkpoint",
+        "stop": "waiting for the loop to leave",
+    }.get(order["action"], "waiting for its effect")
+
+
+def _as_number(value: Any) -> float:
+    number = _as_float(value)
+    return number if math.isfinite(number) else 0.0

@@ -18,7 +18,15 @@ class ControlConfig:
     """How the control channel behaves. Every rank must be given the same settings."""
 
     enabled: bool = True
-    """False: the channel does nothing (no server, no collectives) and the loop runs unchanged."""
+    """False: the channel does nothing (no server, no collectives, no signal handling) and the loop runs unchanged."""
+    endpoint: bool = True
+    """Serve the HTTP endpoint on rank 0. False: no endpoint and no token needed; the ranks still meet at
+    step boundaries, so SIGTERM/SIGINT and a lost torchrun agent still stop every rank at the same step."""
+    handle_signals: bool = True
+    """SIGTERM and SIGINT (on any rank) mean "checkpoint, then stop" at the next step boundary on every
+    rank (a second SIGINT interrupts at once). Installed when the channel is built on the main thread."""
+    stop_when_orphaned: bool = True
+    """Under torchrun, a rank whose agent process is gone checkpoints and stops instead of training on."""
     host: str = "127.0.0.1"
     """Address rank 0's control endpoint binds to. Loopback by default: the endpoint changes the run."""
     port: int = 9300
@@ -45,7 +53,10 @@ class ControlConfig:
     lr_factor: float = 0.5
     """Default factor of `reduce_lr` (a request may give its own `lr_factor`)."""
     lr_floor: float = 0.0
-    """`reduce_lr` never takes a learning rate below this; at the floor it is refused."""
+    """`reduce_lr` never takes a learning rate below this (absolute); at the floor it is refused."""
+    lr_floor_ratio: float = 1e-3
+    """Nor below this fraction of the group's reference rate (its scheduler's initial rate, or the
+    highest rate the optimizer has stepped with), so that no factor can bring a rate to zero."""
     lr_cooldown_steps: int = 0
     """Steps after an applied `reduce_lr` during which another is refused (0 = none)."""
     lr_cooldown_seconds: float = 60.0
@@ -73,6 +84,8 @@ class ControlConfig:
             )
         if not 0.0 < self.lr_factor < 1.0:
             raise ValueError(f"control.lr_factor must be between 0 and 1 (exclusive), got {self.lr_factor!r}")
+        if not 0.0 < self.lr_floor_ratio < 1.0:
+            raise ValueError(f"control.lr_floor_ratio must be between 0 and 1 (exclusive), got {self.lr_floor_ratio!r}")
         for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds"):
             value = getattr(self, name)
             if not value >= 0.0:  # also catches NaN

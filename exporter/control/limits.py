@@ -38,6 +38,7 @@ class ActionLimits:
         self._clock = clock
         self._applied: dict[str, int] = {}
         self._last: dict[str, tuple[int, float]] = {}
+        self._undo: dict[str, list[tuple[int, float] | None]] = {}
 
     @classmethod
     def from_config(cls, config: ControlConfig, clock: Callable[[], float] = time.monotonic) -> ActionLimits:
@@ -72,8 +73,28 @@ class ActionLimits:
 
     def record(self, action: str, step: int) -> None:
         """Note that `action` was applied at `step` (now)."""
+        self._undo.setdefault(action, []).append(self._last.get(action))
         self._applied[action] = self._applied.get(action, 0) + 1
         self._last[action] = (step, self._clock())
+
+    def undo(self, action: str) -> None:
+        """Take back the latest `record(action)`: its effect did not happen, so it uses no cap or cooldown."""
+        history = self._undo.get(action)
+        if not history:
+            return
+        previous = history.pop()
+        self._applied[action] -= 1
+        if previous is None:
+            self._last.pop(action, None)
+        else:
+            self._last[action] = previous
+
+    def state_dict(self) -> dict[str, int]:
+        """Applications per action, kept in checkpoints so that a cap holds across a resume."""
+        return dict(self._applied)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._applied = {str(action): int(count) for action, count in state.items()}
 
     def applied(self, action: str) -> int:
         return self._applied.get(action, 0)

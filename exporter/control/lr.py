@@ -10,13 +10,24 @@ So the scheduler's own reference values are scaled by the same factor:
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["can_reduce", "current_learning_rates", "scale_learning_rates"]
+__all__ = [
+    "can_reduce",
+    "capture_references",
+    "current_learning_rates",
+    "restore_references",
+    "scale_learning_rates",
+]
 
 _GROUP_KEYS = ("initial_lr", "max_lr", "min_lr")
+_SCHEDULER_ATTRIBUTES = ("base_lrs", "max_lrs")
+
+Floor = float | Sequence[float]
 
 
 def current_learning_rates(optimizer: Any) -> list[float]:
@@ -26,13 +37,15 @@ def current_learning_rates(optimizer: Any) -> list[float]:
     return [_as_float(group["lr"]) for group in optimizer.param_groups]
 
 
-def can_reduce(optimizer: Any, floor: float) -> bool:
-    """True when some param group's learning rate is above `floor`."""
-    return any(lr > floor for lr in current_learning_rates(optimizer))
+def can_reduce(optimizer: Any, floor: Floor) -> bool:
+    """True when some param group's learning rate is above its floor."""
+    rates = current_learning_rates(optimizer)
+    return any(lr > bound for lr, bound in zip(rates, _per_group(floor, len(rates)), strict=True))
 
 
-def scale_learning_rates(optimizer: Any, scheduler: Any | None, factor: float, floor: float = 0.0) -> list[float]:
-    """Multiply every learning rate by `factor`, never below `floor`; returns the new rates.
+def scale_learning_rates(optimizer: Any, scheduler: Any | None, factor: float, floor: Floor = 0.0) -> list[float]:
+    """Multiply every learning rate by `factor`, never below `floor` (one value, or one per param
+    group); returns the new rates.
 
     The floor bounds the reduction of the reference values too; a scheduler
     that later multiplies a floored base LR by a warmup factor below 1 may
@@ -41,26 +54,69 @@ def scale_learning_rates(optimizer: Any, scheduler: Any | None, factor: float, f
     Deterministic given the optimizer's state, so ranks holding the same state
     (DDP replicas) end with identical rates.
     """
-    for group in optimizer.param_groups:
-        group["lr"] = _scaled(group["lr"], factor, floor)
+    floors = _per_group(floor, len(optimizer.param_groups))
+    for group, bound in zip(optimizer.param_groups, floors, strict=True):
+        group["lr"] = _scaled(group["lr"], factor, bound)
         for key in _GROUP_KEYS:
             if key in group:
-                group[key] = _scaled(group[key], factor, 0.0 if key == "min_lr" else floor)
+                group[key] = _scaled(group[key], factor, 0.0 if key == "min_lr" else bound)
     if scheduler is not None:
-        _scale_scheduler(scheduler, factor, floor)
+        _scale_scheduler(scheduler, factor, floors)
     return current_learning_rates(optimizer)
 
 
-def _scale_scheduler(scheduler: Any, factor: float, floor: float) -> None:
-    for attribute in ("base_lrs", "max_lrs"):
+def capture_references(optimizer: Any, scheduler: Any | None) -> list[tuple[Any, str, Any]]:
+    """What `scale_learning_rates` changes besides the rates themselves (the param groups' reference
+    keys, the schedulers' base and max rates), to put back with `restore_references` if a reduction
+    turns out not to have taken effect."""
+    saved: list[tuple[Any, str, Any]] = []
+    for group in optimizer.param_groups if optimizer is not None else ():
+        saved += [(group, key, _copied(group[key])) for key in _GROUP_KEYS if key in group]
+    pending = [scheduler] if scheduler is not None else []
+    while pending:
+        current = pending.pop()
+        saved += [
+            (current, name, _copied(getattr(current, name)))
+            for name in _SCHEDULER_ATTRIBUTES
+            if isinstance(getattr(current, name, None), list)
+        ]
+        pending += list(getattr(current, "_schedulers", ()) or ())
+    return saved
+
+
+def restore_references(saved: list[tuple[Any, str, Any]]) -> None:
+    """Put back what `capture_references` saved."""
+    for owner, name, value in saved:
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _per_group(floor: Floor, groups: int) -> list[float]:
+    if isinstance(floor, (int, float)):
+        return [float(floor)] * groups
+    floors = [float(f) for f in floor]
+    if len(floors) != groups:
+        raise ValueError(f"{len(floors)} learning-rate floors for {groups} param groups")
+    return floors
+
+
+def _scale_scheduler(scheduler: Any, factor: float, floors: list[float]) -> None:
+    for attribute in _SCHEDULER_ATTRIBUTES:
         values = getattr(scheduler, attribute, None)
         if isinstance(values, list):
-            setattr(scheduler, attribute, [_scaled(v, factor, floor) for v in values])
+            bounds = floors if len(floors) == len(values) else [min(floors, default=0.0)] * len(values)
+            setattr(scheduler, attribute, [_scaled(v, factor, b) for v, b in zip(values, bounds, strict=True)])
     # What get_last_lr() reports should match the optimizer right away.
     if isinstance(getattr(scheduler, "_last_lr", None), list) and hasattr(scheduler, "optimizer"):
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     for child in getattr(scheduler, "_schedulers", ()) or ():
-        _scale_scheduler(child, factor, floor)
+        _scale_scheduler(child, factor, floors)
 
 
 def _scaled(value: Any, factor: float, floor: float) -> Any:

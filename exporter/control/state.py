@@ -152,6 +152,30 @@ class ActionQueue:
             self._taken.update((record.id, record) for record in taken)
             return taken
 
+    def start(self, request: ActionRequest) -> ActionRecord:
+        """A request that did not come over HTTP (a signal), taken at once: pending until settled."""
+        with self._lock:
+            record = ActionRecord(
+                id=f"{self._prefix}-{next(self._counter)}",
+                action=request.action,
+                source=request.source,
+                reason=request.reason,
+                params=request.params(),
+                received_at=self._clock(),
+            )
+            self._taken[record.id] = record
+            if request.action == "stop":
+                self._stopping = True
+            return record
+
+    def note(self, record: ActionRecord, detail: str) -> ActionRecord:
+        """Attach a one-line detail to a taken, not yet settled request (e.g. what it waits for)."""
+        noted = replace(record, detail=detail)
+        with self._lock:
+            if record.id in self._taken:
+                self._taken[record.id] = noted
+        return noted
+
     def settle(self, record: ActionRecord, status: str, step: int, detail: str = "") -> ActionRecord:
         """Record the outcome of a taken request."""
         settled = replace(record, status=status, step=step, settled_at=self._clock(), detail=detail)

@@ -43,7 +43,7 @@ class _Handler:
         self.step = 0
         self.stop_reason: str | None = None
 
-    def checkpoint(self, reason: str) -> None:
+    def checkpoint(self, reason: str) -> Path:
         from exporter.control import record_checkpoint
 
         started = time.perf_counter()
@@ -53,6 +53,7 @@ class _Handler:
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)  # atomic, like a real checkpoint
         record_checkpoint(self.monitor, reason, time.perf_counter() - started)
+        return path
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -117,8 +118,8 @@ def _main(argv: list[str]) -> int:
                 handler.checkpoint(f"stop:{handler.stop_reason}")
                 break
         log.write(json.dumps({"exit": True, "step": step, "stop_reason": handler.stop_reason}) + "\n")
+    channel.close()  # the loop has left: a requested stop is applied here
     (args.out / f"rank{rank}.metrics.txt").write_bytes(generate_latest(monitor.registry))
-    channel.close()
     monitor.close()
     dist.destroy_process_group()
     return 0
