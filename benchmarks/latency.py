@@ -118,7 +118,7 @@ class Trial:
                 "run.max_steps=100000",
                 "checkpoint.every_steps=0",
                 "checkpoint.save_final=false",
-                "control.enabled=true",
+                "control.endpoint=true",
                 f"control.port={self.ports.control}",
                 f"control.token_file={token_file}",
                 f"faults.nonfinite.at_step={FAULT_STEP}",

@@ -245,6 +245,13 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m(
+        "checkpoint_failures_total",
+        _C,
+        "Checkpoints that could not be written, by reason (no_space, permission, io_error, other).",
+        labels=("reason",),
+        source="control",
+    ),
+    _m(
         "checkpoint_duration_seconds",
         _H,
         "Time to write one checkpoint.",

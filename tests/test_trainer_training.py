@@ -25,7 +25,7 @@ import requests
 from PIL import Image
 
 from tests.support import REPO, sample_value
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint import checkpoint_files
 
 pytestmark = pytest.mark.integration
 
@@ -66,11 +66,9 @@ def test_the_run_ends_cleanly_after_a_final_validation_and_checkpoint(reference)
     output = reference.output.read_text()
     assert f"finished at step {MAX_STEPS}" in output
     assert f"step {MAX_STEPS}/{MAX_STEPS} | loss" in output and "samples/s | ETA 0:00:00" in output
-    assert [p.name for p in list_checkpoints(reference.checkpoint_dir)] == [
-        "step_00000300.pt",
-        "step_00000200.pt",
-        "step_00000100.pt",
-    ]
+    kept = checkpoint_files(reference.checkpoint_dir)
+    assert [f.step for f in kept] == [300, 200, 100]
+    assert len({f.lineage for f in kept}) == 1  # one run, one lineage
     finished = reference.records("finished")
     assert [(r["step"], r["stopped"]) for r in finished] == [(MAX_STEPS, None)]
     # The interval checkpoint at the last step is the final one: not written twice.
@@ -101,13 +99,13 @@ def interrupted(trainer_job, reference):
 
     first.wait_for(restarted_and_checkpointed_again, "the restarted attempt to checkpoint step 40", timeout=480)
     first.kill_hard()
-    saved = list_checkpoints(first.checkpoint_dir)
+    saved = checkpoint_files(first.checkpoint_dir)
     assert len(saved) >= 2, saved
-    newest = saved[0]
+    newest = saved[0].path
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     second = trainer_job("resumed", [EVERY_10], resume="auto", checkpoint_dir=first.checkpoint_dir, config=DEMO)
     assert second.wait_exit(timeout=420) == 0, second.tail()
-    expected_step = int(saved[1].stem.split("_")[1])
+    expected_step = saved[1].step
     return SimpleNamespace(
         first=first, second=second, states=endpoint_states, truncated=newest, expected_step=expected_step
     )
@@ -150,7 +148,7 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     job = trainer_job(
         "control",
         # A checkpoint every step: the stop falls on an interval step and must still write only one.
-        ["run.max_steps=1000", "checkpoint.every_steps=1", "checkpoint.keep=2", "control.enabled=true",
+        ["run.max_steps=1000", "checkpoint.every_steps=1", "checkpoint.keep=2", "control.endpoint=true",
          f"control.port={port}", f"control.token_file={tmp_path / 'token'}"],
     )  # fmt: skip
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
@@ -178,7 +176,7 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     assert job.records("finished")[0]["stopped"] == "operator:maintenance"
     assert job.records("finished")[0]["step"] == stop["step"] < 1000
     assert [r for r in job.records("checkpoint") if r["step"] == stop["step"]] == [stop]  # not interval + stop
-    assert list_checkpoints(job.checkpoint_dir)[0].name == f"step_{stop['step']:08d}.pt"
+    assert checkpoint_files(job.checkpoint_dir)[0].step == stop["step"]
 
 
 # --- your own data, through the command line (one rank, no torchrun) ---------------------------------

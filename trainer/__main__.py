@@ -4,8 +4,13 @@
 
 Also runs without torchrun (`python -m trainer ...`) as a single rank.
 Bad input (config, manifest, checkpoint) and a start-up that cannot work (no
-control token, metrics port taken) end the process with status 2 and one
-line on stderr that names the problem.
+control token, metrics port taken, checkpoint.dir not writable) end the process
+with status 2 and one line on stderr that names the problem. A rank that stops
+because another rank failed says so in one line (status 1) instead of a
+collective's traceback, so the first error stays readable. A run in which a
+checkpoint could not be written ends with status 3 after training (the
+checkpoints that were written are kept). SIGTERM/SIGINT: checkpoint, then
+status 0.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import argparse
 import logging
 import os
 import sys
+
+from torch.distributed import DistError
 
 from exporter import MetricsPortInUse
 from exporter.control import ControlStartError
@@ -55,10 +62,21 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         from .loop import Trainer  # after the config check, so a typo fails before transformers loads
 
-        Trainer(config, resume=args.resume).fit()
+        trainer = Trainer(config, resume=args.resume)
+        trainer.fit()
     except (ConfigError, DataError, CheckpointError, ControlStartError, MetricsPortInUse) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
+    except DistError as exc:
+        detail = " ".join(str(exc).split())[:160]
+        print(f"trainer: rank {rank} stopped: lost contact with another rank ({detail}); "
+              "the first error is in that rank's output", file=sys.stderr)  # fmt: skip
+        return 1
+    failures = trainer.checkpoints.failures
+    if failures:
+        print(f"trainer: error: {len(failures)} checkpoint(s) could not be written; last: {failures[-1]}",
+              file=sys.stderr)  # fmt: skip
+        return 3
     return 0
 
 

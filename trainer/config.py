@@ -2,9 +2,9 @@
 
     cfg = load_config("trainer/configs/demo.yaml", overrides=["optim.lr=3e-4", "faults.straggler.rank=1"])
 
-Sections: `run`, `metrics` (the exporter's MonitorConfig), `control` (passed
-through to `exporter.control.ControlConfig`), `checkpoint`, `data`, `model`,
-`optim`, `faults`. An unknown key, a wrong type or an out-of-range value is a
+Sections: `run`, `metrics` (the exporter's MonitorConfig), `control` (the
+exporter's ControlConfig), `checkpoint`, `data`, `model`, `optim`, `faults`.
+An unknown key, a duplicate key, a wrong type or an out-of-range value is a
 one-line `ConfigError` naming the setting (`optim.lr must be > 0, got -1.0`).
 Every field has a default, so a YAML file lists only what it changes.
 """
@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from exporter import MonitorConfig, RankIdentity, config_from_mapping
+from exporter.control import ControlConfig
 
 from .faults import FaultsConfig
 
@@ -48,6 +49,23 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+def _no_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    # YAML lets a later key silently replace an earlier one; in a config that hides a typo'd override.
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(
+                f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                f"(first at line {seen[key]}); each setting may appear once"
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
 
 
 def _parse_yaml(text: str) -> Any:
@@ -96,6 +114,9 @@ class RunConfig:
     """JSONL file rank 0 appends per-step records to (loss, accuracy, lr, val, events); "" = none."""
     linger_seconds: float = 0.0
     """Keep serving /metrics this long after the last step, so Prometheus scrapes the final values."""
+    attention_maps: int = 4
+    """At each validation rank 0 saves the attention maps of this many validation samples (at most 16) into
+    `attention/` beside `log_file`, for the run report (0 = none; see trainer/attention_maps.py)."""
 
     def __post_init__(self) -> None:
         check(self.max_steps >= 1, f"run.max_steps must be >= 1, got {self.max_steps}")
@@ -105,6 +126,7 @@ class RunConfig:
         check(self.threads >= 0, f"run.threads must be >= 0, got {self.threads}")
         check(self.dist_timeout_seconds >= 1, f"run.dist_timeout_seconds must be >= 1, got {self.dist_timeout_seconds}")
         check(self.linger_seconds >= 0, f"run.linger_seconds must be >= 0, got {self.linger_seconds}")
+        check(0 <= self.attention_maps <= 16, f"run.attention_maps must be between 0 and 16, got {self.attention_maps}")
         _one_of("run.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("run.amp", self.amp, ("off", "fp16", "bf16"))
         if self.run_id:
@@ -287,8 +309,11 @@ class TrainConfig:
 
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    control: dict[str, Any] = field(default_factory=dict)
-    """Passed to exporter.control.ControlConfig (validated there, when control is used)."""
+    control: ControlConfig = field(default_factory=lambda: ControlConfig(endpoint=False))
+    """The control channel (exporter.control.ControlConfig). Without a `control` section the ranks still
+    meet at every step boundary (SIGTERM and SIGINT checkpoint and stop every rank at the same step) but
+    rank 0 serves no HTTP endpoint; a `control` section, e.g. `control: {port: 9300}`, serves it with
+    ControlConfig's defaults (a bearer token required)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -303,10 +328,6 @@ class TrainConfig:
         """Short, stable hash of the whole config (for rankscope_run_info)."""
         text = json.dumps(self.to_dict(), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-    @property
-    def control_enabled(self) -> bool:
-        return bool(self.control.get("enabled", False))
 
 
 def build_section(cls: type, data: Any, section: str) -> Any:
@@ -355,23 +376,9 @@ def parse_config(raw: Any, source: str = "config") -> TrainConfig:
         if key not in known:
             raise ConfigError(f"unknown section {key!r}; known: {', '.join(sorted(known))}")
     sections = {name: build_section(cls, raw.get(name), name) for name, cls in _SECTIONS.items()}
-    control = raw.get("control") or {}
-    if not isinstance(control, dict):
-        raise ConfigError(f"control must be a mapping of settings, got {type(control).__name__} {control!r}")
-    config = TrainConfig(control=dict(control), **sections)
-    _check_control(config.control)
-    return config
-
-
-def _check_control(control: dict[str, Any]) -> None:
-    """Build exporter.control's ControlConfig once, so a bad control setting fails at start."""
-    if not control:
-        return
-    try:
-        from exporter.control import ControlConfig
-    except ImportError:
-        raise ConfigError("control settings given, but this exporter has no exporter.control package") from None
-    build_section(ControlConfig, control, "control")
+    if "control" in raw:  # a control section serves the endpoint, with ControlConfig's defaults
+        sections["control"] = build_section(ControlConfig, raw["control"], "control")
+    return TrainConfig(**sections)
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -384,6 +391,8 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         value = _parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({_first_line(exc)})") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--set {key}: {exc}") from None
     *parents, leaf = key.split(".")
     node = raw
     for depth, part in enumerate(parents):
@@ -404,13 +413,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {path} is not a YAML text file (not UTF-8 at byte {exc.start})") from None
         try:
             raw = _parse_yaml(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({_first_line(exc)})") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
     for override in overrides:

@@ -36,6 +36,8 @@ from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import transforms
 
+from exporter.control import ignore_stop_signals
+
 from .tokenizer import WordTokenizer
 
 __all__ = [
@@ -444,6 +446,9 @@ def build_data(
         drop_last=True,  # equal batches on every rank and every step
         persistent_workers=workers > 0,
         pin_memory=pin_memory,
+        # torchrun sends SIGTERM to the rank's whole process group: the rank checkpoints and stops
+        # its workers itself, so they must not die of it first (and take the rank down with them).
+        worker_init_fn=ignore_stop_signals,
         # Own generator: creating an iterator then never draws from the global RNG, so resuming
         # mid-epoch leaves the RNG exactly where the uninterrupted run had it.
         generator=torch.Generator().manual_seed(seed),

@@ -26,6 +26,7 @@ import math
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,9 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from exporter import RankIdentity, create_monitor, write_file_sd
+from exporter.control import ControlChannel
 
 from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError
-from .config import TrainConfig, build_section
+from .config import TrainConfig
 from .data import Batch, DataError, build_data, settle_bad_samples
 from .faults import FaultInjector
 from .logbook import ProgressLog
@@ -135,7 +137,9 @@ class Trainer:
         seed_everything(run.seed + 1000 * self.rt.rank)
         if resumed:
             self._restore(*resumed)
-        self.channel = self._control_channel()
+        self.channel = self._control_channel()  # collective; from here on SIGTERM means checkpoint-then-stop
+        if self.channel is not None and state and state.get("control"):
+            self.channel.load_state_dict(state["control"])
         self.log.event("start", step=self.step, world_size=self.rt.world_size, resumed=bool(resumed),
                        config_hash=metrics.config_hash)  # fmt: skip
 
@@ -238,7 +242,8 @@ class Trainer:
             logger.info("finished at step %d%s", self.step, stopped)
         # Before the linger, so a scrape sees it: the rank-down alert ignores ranks that finished cleanly.
         self.monitor.finish()
-        if self.cfg.run.linger_seconds:
+        signalled = (self.stop_reason or "").startswith("signal:")  # the sender waits a grace period, not more
+        if self.cfg.run.linger_seconds and not signalled:
             if self.rt.is_main:
                 logger.info("serving metrics for %.0fs more (run.linger_seconds)", self.cfg.run.linger_seconds)
             time.sleep(self.cfg.run.linger_seconds)
@@ -253,13 +258,17 @@ class Trainer:
         model.eval()
         totals = torch.zeros(4, dtype=torch.float64, device=self.rt.device)
         try:
-            for batch in self.data.val_loader:
+            for index, batch in enumerate(self.data.val_loader):
                 settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
                 if len(batch) == 0:
                     continue
                 on_device = batch.to(self.rt.device)
                 with self._autocast():
                     logits = model(on_device.images, on_device.input_ids, on_device.attention_mask)
+                if index == 0 and self.rt.is_main:  # the first samples' attention maps, for the run report
+                    from .attention_maps import save_attention_maps
+
+                    save_attention_maps(self.cfg.run, self.step, model, batch, self.data.tokenizer.vocab)
                 n = float(len(batch))
                 accuracy = contrastive_accuracy(logits)
                 totals += torch.stack([contrastive_loss(logits) * n, accuracy[0] * n, accuracy[1] * n,
@@ -285,18 +294,22 @@ class Trainer:
 
     # --- bad samples, control, checkpoints ------------------------------------------------------
 
-    def checkpoint(self, reason: str) -> None:
-        """Control handler: checkpoint now (every rank calls this at the same boundary)."""
-        self.save_checkpoint(reason)
+    def checkpoint(self, reason: str) -> Path | None:
+        """Control handler: checkpoint now (every rank calls this at the same boundary); the path, or None
+        if it could not be written (the action is then reported failed)."""
+        return self.save_checkpoint(reason)
 
     def request_stop(self, reason: str) -> None:
         """Control handler: leave the loop after this step; `_finish` writes the stop checkpoint."""
         self.stop_reason = reason
 
-    def save_checkpoint(self, reason: str) -> None:
+    def save_checkpoint(self, reason: str) -> Path | None:
         path = self.checkpoints.save(self.step, self.state_dict, reason)
         if path is not None:
             self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))
+        else:
+            self.log.event("checkpoint_failed", step=self.step, reason=reason, error=self.checkpoints.failures[-1])
+        return path
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (RNG states are added by the Checkpointer)."""
@@ -314,6 +327,7 @@ class Trainer:
             "tokenizer": self.data.tokenizer.state_dict(),
             "config": self.cfg.to_dict(),
             "monitor": {"best_val_loss": self.best_val_loss, "last_val_step": self.last_val_step},
+            "control": self.channel.state_dict() if self.channel is not None else {},
         }
 
     def _restore(self, path: Any, state: dict[str, Any]) -> None:
@@ -346,13 +360,10 @@ class Trainer:
             logger.info("resumed from %s at step %d (epoch %d, batch %d; written for: %s)",
                         path, self.step, self.epoch, self.batch_in_epoch, state.get("reason", "?"))  # fmt: skip
 
-    def _control_channel(self) -> Any:
-        if not self.cfg.control_enabled:
+    def _control_channel(self) -> ControlChannel | None:
+        if not self.cfg.control.enabled:
             return None
-        from exporter.control import ControlChannel, ControlConfig
-
-        config = build_section(ControlConfig, self.cfg.control, "control")
-        return ControlChannel(config, self.monitor, optimizer=self.optimizer, scheduler=self.scheduler)
+        return ControlChannel(self.cfg.control, self.monitor, optimizer=self.optimizer, scheduler=self.scheduler)
 
     # --- precision and teardown -----------------------------------------------------------------
 

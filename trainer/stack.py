@@ -9,7 +9,8 @@ compose service names (``trainer:9400``, ``alertmanager:9093``, ...) become
 127.0.0.1 and the ports chosen here, the scrape job lists one target per rank,
 and the webhook's token file is the one this launcher uses. The derived files,
 logs, data, checkpoints and the control token live in the run directory
-(``.stack/``). Ctrl-C (or SIGTERM) stops everything it started.
+(``.stack/``). Ctrl-C (or SIGTERM) stops everything it started, after writing
+the run report (``report.html`` and ``report.png`` there; docs/report.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -195,7 +197,7 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
     settings = [
         "metrics.host=127.0.0.1",
         f"metrics.base_port={ports.metrics}",
-        "control.enabled=true",
+        "control.endpoint=true",
         "control.host=127.0.0.1",
         f"control.port={ports.control}",
         f"control.token_file={token}",
@@ -220,8 +222,29 @@ def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path) -> str:
         f"  control         http://127.0.0.1:{ports.control}/v1/status  (bearer token in {token})",
         "  Grafana         not started here: import grafana/dashboards/*.json (datasource uid rankscope-prometheus)",
         f"  logs            {run_dir / 'logs'}",
+        f"  run report      {shlex.join(_report_argv(ports, run_dir, for_banner=True))}  (also written on exit)",
     ]
     return "\n".join(lines)
+
+
+def _report_argv(ports: Ports, run_dir: Path, for_banner: bool = False) -> list[str]:
+    """The rankscope-report command for this stack's run (the console script, if installed, in the banner)."""
+    script = Path(sys.executable).parent / "rankscope-report"
+    command = [str(script)] if for_banner and script.exists() else [sys.executable, "-m", "exporter.report"]
+    return [*command, "--prometheus", f"http://127.0.0.1:{ports.prometheus}", "--log", str(run_dir / "log.jsonl"),
+            "--out", str(run_dir / "report.html")]  # fmt: skip
+
+
+def _write_report(ports: Ports, run_dir: Path, timeout: float = 180.0) -> None:
+    """Write the run report while Prometheus still runs; a failure is one line, never the launcher's exit status."""
+    print(f"writing the run report to {run_dir / 'report.html'} ...", flush=True)
+    try:
+        result = subprocess.run(_report_argv(ports, run_dir), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"trainer.stack: the run report was not written: {exc}", flush=True)
+        return
+    output = (result.stdout if result.returncode == 0 else result.stderr).strip().splitlines()
+    print(output[-1] if output else f"rankscope-report exited with {result.returncode}", flush=True)
 
 
 def _write_configs(run_dir: Path, ports: Ports, nproc: int, token: Path) -> tuple[Path, Path]:
@@ -328,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         _supervise(stop, monitoring, trainer)
         print("stopping the stack: asking the trainer to checkpoint and stop ...", flush=True)
         _stop_trainer_gracefully(trainer, ports, token)
+        _write_report(ports, run_dir)
         return 0
     finally:
         # Whatever still runs: trainer first, then Prometheus, then Alertmanager.

@@ -15,9 +15,10 @@ GET /v1/status, GET /healthz; see openapi.yaml beside this file.
 
 Public API: :class:`ControlChannel`, :class:`ControlConfig`,
 :class:`ControlHandler`, :class:`ControlStartError`, :class:`ControlPortInUse`,
-:func:`record_checkpoint`, :data:`ACTIONS`, :data:`RESULTS`, and for embedding
+:func:`record_checkpoint`, :func:`record_checkpoint_failure`, :data:`ACTIONS`, :data:`RESULTS`, and for embedding
 the endpoint elsewhere :func:`create_app` / :class:`AppDeps` /
-:func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`.
+:func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`; :func:`ignore_stop_signals`
+for DataLoader workers started with spawn/forkserver.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from .app import AppDeps, create_app
 from .channel import ControlChannel, ControlHandler, ControlStartError
 from .config import ControlConfig, load_token
 from .lr import scale_learning_rates
-from .metrics import record_checkpoint
+from .metrics import record_checkpoint, record_checkpoint_failure
 from .server import ControlPortInUse, ControlServer, serve_control
 from .state import ActionQueue, RunSnapshot
+from .stops import ignore_stop_signals
 
 __all__ = [
     "ACTIONS",
@@ -44,8 +46,10 @@ __all__ = [
     "ControlStartError",
     "RunSnapshot",
     "create_app",
+    "ignore_stop_signals",
     "load_token",
     "record_checkpoint",
+    "record_checkpoint_failure",
     "scale_learning_rates",
     "serve_control",
 ]

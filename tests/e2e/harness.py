@@ -225,7 +225,7 @@ class Stack:
                 f"run.max_steps={max_steps}",
                 f"run.log_every={LOG_EVERY}",
                 f"run.linger_seconds={LINGER_SECONDS}",
-                "control.enabled=true",
+                "control.endpoint=true",
                 f"control.port={self.ports.control}",
                 f"control.token_file={self.token_file}",
                 *settings,

@@ -48,7 +48,7 @@ class TrainerJob:
             "metrics.host=127.0.0.1",
             f"metrics.base_port={metrics_base_port}",
             f"metrics.file_sd_path={self.targets_file}",
-            "control.enabled=false",
+            "control.endpoint=false",  # no HTTP endpoint unless a test asks; SIGTERM still checkpoints
             f"checkpoint.dir={self.checkpoint_dir}",
             f"run.log_file={self.log_file}",
             "run.linger_seconds=0",  # no Prometheus scrapes these jobs; a test that scrapes sets its own
