@@ -85,9 +85,10 @@ class MetricSpec:
     unit: str = ""
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    #: Who records it: ``core`` (the exporter's Monitor), ``probe`` (sampled at
-    #: scrape time), ``control`` (the control channel), ``trainer`` (the
-    #: reference trainer or any loop that chooses to).
+    #: Who records it: ``core`` (the exporter's Monitor), ``amp`` (the Monitor,
+    #: when a GradScaler is watched), ``probe`` (sampled at scrape time),
+    #: ``control`` (the control channel), ``trainer`` (the reference trainer or
+    #: any loop that chooses to).
     source: str = "core"
 
     @property
@@ -192,12 +193,14 @@ _SPECS: tuple[MetricSpec, ...] = (
         "loss_scale",
         _G,
         "Loss scale of the loop's GradScaler (dynamic loss scaling), as of the latest resolved step.",
+        source="amp",
     ),
     _m(
         "loss_scale_overflows_total",
         _C,
         "Steps whose scaled gradients overflowed while the loss was finite: the GradScaler skipped the update "
         "and lowered its scale, as dynamic loss scaling expects.",
+        source="amp",
     ),
     _m(
         "loss_spikes_total",

@@ -142,6 +142,7 @@ class RankscopeCallback(TrainerCallback):
         self._mark: float | None = None
         self._save_reason: str | None = None
         self._comm_attached: Any | None = None
+        self._saved_step: int | None = None  # global step of the Trainer's latest save (on_save)
         self._log = LogOnce()
 
     @classmethod
@@ -237,7 +238,7 @@ class RankscopeCallback(TrainerCallback):
         if self.channel is not None:
             # Every process, same step; blocks while paused. Not guarded: a failure here must not
             # leave one process out of the channel's collectives.
-            actions = _TrainerActions(control)
+            actions = _TrainerActions(control, self, state.global_step)
             self.channel.at_step_boundary(state.global_step, actions)
             self._save_reason = actions.save_reason or self._save_reason
         self._mark = time.perf_counter()
@@ -267,6 +268,7 @@ class RankscopeCallback(TrainerCallback):
         now = time.perf_counter()
         reason = self._save_reason or ("final" if state.global_step >= state.max_steps else "interval")
         self._save_reason = None
+        self._saved_step = state.global_step
         if self._mark is not None:
             with self._guard():
                 record_checkpoint(self.monitor, reason, now - self._mark)
@@ -328,15 +330,21 @@ class _TrainerActions:
 
     The Trainer acts on them right after on_step_end, on every process: it saves
     `checkpoint-<step>` and, for stop, leaves its loop and returns from train().
+    A checkpoint is therefore written after this handler returns: it answers with a check
+    that the channel asks at later boundaries, true once on_save has reported the save.
     """
 
-    def __init__(self, control: TrainerControl) -> None:
+    def __init__(self, control: TrainerControl, callback: RankscopeCallback, step: int) -> None:
         self.control = control
         self.save_reason: str | None = None
+        self._callback = callback
+        self._step = step
 
-    def checkpoint(self, reason: str) -> None:
+    def checkpoint(self, reason: str) -> Any:
         self.control.should_save = True
         self.save_reason = self.save_reason or reason
+        callback, step = self._callback, self._step
+        return lambda: True if callback._saved_step is not None and callback._saved_step >= step else None
 
     def request_stop(self, reason: str) -> None:
         self.control.should_save = True

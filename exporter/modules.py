@@ -34,9 +34,12 @@ Sink = Callable[[str, list[str], torch.Tensor], None]  # (metric suffix, group n
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP and FSDP-style wrappers keep the real model in `.module`.
+    # DDP and FSDP-style wrappers keep the real model in `.module`, their only child; a model of the
+    # user's that merely has a child called `module` beside others is not a wrapper.
     inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
+    if isinstance(inner, nn.Module) and [child for _, child in model.named_children()] == [inner]:
+        return inner
+    return model
 
 
 def module_groups(model: nn.Module, max_groups: int) -> dict[str, list[nn.Parameter]]:

@@ -342,6 +342,20 @@ def test_a_loop_that_trains_on_after_a_stop_gets_it_overridden(make_channel):
     assert not channel.stop_requested
 
 
+def test_a_stop_the_loop_refuses_is_failed_and_the_run_takes_requests_again(make_channel):
+    class Refusing(LoopHandler):
+        def request_stop(self, reason: str) -> None:
+            raise RuntimeError("not before min_steps")
+
+    channel = make_channel()
+    stop = post(channel, "stop")
+    channel.at_step_boundary(1, Refusing())
+    record = recent(channel)[stop]
+    assert record["status"] == "failed" and "not before min_steps" in record["detail"]
+    assert not channel.stop_requested and not channel.queue.stopping
+    post(channel, "checkpoint")  # accepted (202), not "the run is stopping" (409)
+
+
 def test_sigterm_means_checkpoint_then_stop_at_the_next_boundary(make_channel, monitor):
     import os
     import signal

@@ -38,6 +38,13 @@ def test_ddp_style_wrappers_are_unwrapped():
     assert list(module_groups(Wrapper(inner), 8)) == ["encoder"]
 
 
+def test_a_model_with_a_child_called_module_beside_others_is_not_a_wrapper():
+    model = nn.Module()
+    model.module = nn.Linear(2, 2)
+    model.head = nn.Linear(2, 2)
+    assert list(module_groups(model, 8)) == ["module", "head"]
+
+
 def _model_with_mixed_parameters():
     torch.manual_seed(0)
     model = nn.Module()

@@ -385,12 +385,12 @@ class ControlChannel:
                     return _NOOP, "not paused"
                 self._set_paused(False)
             elif action == "stop":
+                handler.request_stop(reason)
                 self._stop_requested = True
                 self._set_paused(False)
                 if self.rank == 0:
                     self.snapshot.update(stop_requested=True)
-                handler.request_stop(reason)
-                return self._expect(order, step, _trained_on, undo=self._unstop)
+                return self._expect(order, step, _trained_on)
         except Exception as exc:  # an action must not kill training; the outcome says it failed
             logger.exception("rankscope: rank %d failed to apply %s at step %d", self.rank, action, step)
             return _FAILED, f"rank {self.rank}: {type(exc).__name__}: {exc}"[:200]
@@ -418,9 +418,11 @@ class ControlChannel:
         return self._expect(order, step, check, undo)
 
     def _unstop(self) -> None:
+        """A stop that did not happen: the run is not stopping, and takes requests again."""
         self._stop_requested = False
         if self.rank == 0:
             self.snapshot.update(stop_requested=False)
+            self.queue.accept_again()
 
     def _expect(
         self, order: dict[str, Any], step: int, check: Check, undo: Callable[[], None] | None = None
@@ -464,9 +466,12 @@ class ControlChannel:
         """Settle an action whose outcome every rank now knows; `step` is the boundary where that became known."""
         awaited = self._checks.pop(order_id, None)
         carried_at = awaited.step if awaited is not None else step
-        if worst >= _OVERRIDDEN and awaited is not None and awaited.undo is not None:
-            awaited.undo()  # the effect did not happen: put back what was changed
         action = record.action if record is not None else (awaited.action if awaited is not None else "?")
+        if worst >= _OVERRIDDEN:  # the effect did not happen: put back what was changed
+            if awaited is not None and awaited.undo is not None:
+                awaited.undo()
+            if action == "stop":
+                self._unstop()
         if code >= _OVERRIDDEN:
             logger.warning("rankscope: rank %d: %s %s at step %d: %s", self.rank, action, _RESULT[code], step, detail)
         elif worst == _APPLIED:

@@ -189,6 +189,11 @@ class ActionQueue:
         with self._arrived:
             return self._arrived.wait_for(lambda: bool(self._pending), timeout=timeout)
 
+    def accept_again(self) -> None:
+        """A stop did not happen (failed, or the loop trained on): new requests are accepted again."""
+        with self._lock:
+            self._stopping = False
+
     @property
     def stopping(self) -> bool:
         with self._lock:
