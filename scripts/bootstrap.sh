@@ -15,11 +15,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-# The Debian packages start their own daemons on the default ports; our tests
-# and demo start their own servers, so stop the system ones if they run.
-for svc in prometheus prometheus-alertmanager prometheus-node-exporter; do
-  pkill -x "$svc" >/dev/null 2>&1 || true
-done
+# Our tests and the demo start their own servers on ports they choose; a
+# Prometheus or Alertmanager already running here (the Debian packages may start
+# theirs) is left alone: we never stop a process we did not start.
 
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

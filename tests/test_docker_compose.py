@@ -101,10 +101,24 @@ def test_services_have_the_documented_health_checks_and_ports():
     expected = {"prometheus": "/-/healthy", "alertmanager": "/-/ready", "grafana": "/api/health", "trainer": "/healthz"}
     for name, path in expected.items():
         assert any(path in part for part in services[name]["healthcheck"]["test"]), name
-    assert {"9400:9400", "9401:9401", "127.0.0.1:9300:9300"} <= set(services["trainer"]["ports"])
-    assert "9090:9090" in services["prometheus"]["ports"]
-    assert "9093:9093" in services["alertmanager"]["ports"]
-    assert "3000:3000" in services["grafana"]["ports"]
+    assert {"127.0.0.1:9400:9400", "127.0.0.1:9401:9401", "127.0.0.1:9300:9300"} <= set(services["trainer"]["ports"])
+    assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
+    assert "127.0.0.1:9093:9093" in services["alertmanager"]["ports"]
+    assert "127.0.0.1:3000:3000" in services["grafana"]["ports"]
+
+
+def test_every_published_port_listens_on_loopback_only():
+    # Whoever reaches Alertmanager can act on the run; Grafana admits anonymous viewers.
+    for name in COMPOSE_FILES:
+        for service, spec in _load(name)["services"].items():
+            for port in spec.get("ports", []):
+                assert str(port).startswith("127.0.0.1:"), f"{name}: {service} publishes {port} on every interface"
+
+
+def test_torchrun_waits_for_the_stop_checkpoint_within_the_grace_period():
+    trainer = _load("docker-compose.yml")["services"]["trainer"]
+    timeout = next(int(a.split("=")[1]) for a in trainer["entrypoint"] if a.startswith("--shutdown-timeout="))
+    assert 0 < timeout < int(trainer["stop_grace_period"].rstrip("s"))
 
 
 def test_trainer_runs_two_ranks_on_cpu_by_default_and_cuda_with_the_gpu_override():

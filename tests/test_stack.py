@@ -106,7 +106,25 @@ def test_a_port_in_use_is_named_with_the_flag_that_changes_it(tmp_path, free_por
         port = busy.getsockname()[1]
         result = _launch(["--prometheus-port", str(port), "--alertmanager-port", str(free_port())], tmp_path)
     assert result.returncode == 1
-    assert f"port {port} (prometheus) is already in use; choose another with --prometheus-port" in result.stderr
+    assert f"port {port} (prometheus) already in use; choose another with --prometheus-port" in result.stderr
+
+
+def test_a_taken_default_port_is_replaced_by_a_free_one_and_said(capsys):
+    import argparse
+    import contextlib
+
+    from trainer.stack import choose_ports
+
+    with socket.socket() as busy:
+        with contextlib.suppress(OSError):  # already taken by another server: just as good
+            busy.bind(("127.0.0.1", Ports.prometheus))  # as a Prometheus of your own would
+            busy.listen()
+        args = argparse.Namespace(prometheus_port=None, alertmanager_port=None, metrics_port=None,
+                                  control_port=None, pager_port=None, nproc=2)  # fmt: skip
+        ports = choose_ports(args)
+        assert ports.prometheus != Ports.prometheus
+        assert f"port {Ports.prometheus} (prometheus) is taken; using {ports.prometheus}" in capsys.readouterr().out
+        assert len({ports.prometheus, ports.alertmanager, ports.control, ports.metrics, ports.metrics + 1}) == 5
 
 
 def test_bad_options_are_rejected_with_the_option_named(tmp_path):
@@ -168,6 +186,12 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         records = [json.loads(line) for line in (tmp_path / "stack" / "log.jsonl").read_text().splitlines()]
         reasons = [r.get("reason", "") for r in records if r.get("type") == "checkpoint"]
         assert any(reason.startswith("stop:") for reason in reasons), records[-3:]
+        # On the way out, while Prometheus still ran, the launcher wrote the run report it announced.
+        launcher_output = log_path.read_text()
+        assert "run report" in launcher_output and "rankscope-report" in launcher_output
+        report = tmp_path / "stack" / "report.html"
+        assert report.exists() and report.with_suffix(".png").exists(), launcher_output[-4000:]
+        assert f"wrote {report}" in launcher_output
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -133,19 +133,51 @@ def _token_file(run_dir: Path) -> Path:
     return path
 
 
-def _check_ports(ports: Ports, nproc: int) -> None:
-    wanted = {"prometheus": ports.prometheus, "alertmanager": ports.alertmanager, "control": ports.control}
-    wanted |= {f"metrics (rank {rank})": ports.metrics + rank for rank in range(nproc)}
-    flags = {"prometheus": "--prometheus-port", "alertmanager": "--alertmanager-port", "control": "--control-port"}
-    for name, port in wanted.items():
+_FLAGS = {"prometheus": "--prometheus-port", "alertmanager": "--alertmanager-port", "control": "--control-port",
+          "metrics": "--metrics-port"}  # fmt: skip
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the servers themselves do: a port with only TIME_WAIT connections left is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_block(count: int) -> int:
+    """A base port whose `count` consecutive ports are free now (the kernel picks the first)."""
+    for _ in range(100):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            # As the servers themselves do: a port with only TIME_WAIT connections left is free.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                flag = flags.get(name, "--metrics-port")
-                raise StackError(f"port {port} ({name}) is already in use; choose another with {flag}") from None
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + count <= 65535 and all(_is_free(base + offset) for offset in range(count)):
+            return base
+    raise StackError(f"found no {count} consecutive free ports on 127.0.0.1")
+
+
+def choose_ports(args: argparse.Namespace) -> Ports:
+    """The ports of this stack. One given on the command line must be free (else a one-line error naming
+    its flag); a default that is taken (say, by a Prometheus of your own on 9090) is replaced by a free
+    port, said on stdout: the stack never disturbs a server it did not start."""
+    chosen: dict[str, int] = {}
+    for name, default in (("prometheus", Ports.prometheus), ("alertmanager", Ports.alertmanager),
+                          ("control", Ports.control), ("metrics", Ports.metrics)):  # fmt: skip
+        given = getattr(args, f"{name}_port")
+        port = default if given is None else given
+        width = args.nproc if name == "metrics" else 1
+        if all(_is_free(port + offset) for offset in range(width)) and port not in chosen.values():
+            chosen[name] = port
+            continue
+        what = f"ports {port}-{port + width - 1}" if width > 1 else f"port {port}"
+        if given is not None:
+            raise StackError(f"{what} ({name}) already in use; choose another with {_FLAGS[name]}")
+        chosen[name] = _free_block(width)
+        print(f"trainer.stack: {what} ({name}) is taken; using {chosen[name]} instead ({_FLAGS[name]} to choose)")
+    return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], args.pager_port)
 
 
 def _binaries() -> tuple[str, str]:
@@ -178,10 +210,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra trainer setting, as for python -m trainer (repeatable)",
     )
     parser.add_argument("--run-dir", type=Path, default=REPO / ".stack", help="derived configs, logs, data, token")
-    parser.add_argument("--prometheus-port", type=int, default=Ports.prometheus)
-    parser.add_argument("--alertmanager-port", type=int, default=Ports.alertmanager)
-    parser.add_argument("--metrics-port", type=int, default=Ports.metrics, help="rank r serves metrics-port + r")
-    parser.add_argument("--control-port", type=int, default=Ports.control)
+    taken = "; a taken default is replaced by a free port"
+    parser.add_argument("--prometheus-port", type=int, help=f"default {Ports.prometheus}{taken}")
+    parser.add_argument("--alertmanager-port", type=int, help=f"default {Ports.alertmanager}{taken}")
+    parser.add_argument("--metrics-port", type=int, help=f"rank r serves metrics-port + r (default {Ports.metrics})")
+    parser.add_argument("--control-port", type=int, help=f"default {Ports.control}{taken}")
     parser.add_argument("--pager-port", type=int, default=None, help="a local webhook receiving pages (optional)")
     args = parser.parse_args(argv)
     if args.nproc < 1:
@@ -330,9 +363,8 @@ def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout:
 
 
 def run(args: argparse.Namespace) -> int:
-    ports = Ports(args.prometheus_port, args.alertmanager_port, args.metrics_port, args.control_port, args.pager_port)
     _binaries()  # fail before touching anything if they are missing
-    _check_ports(ports, args.nproc)
+    ports = choose_ports(args)
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     token = _token_file(run_dir)

@@ -109,6 +109,24 @@ class TrainerJob:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"trainer did not exit within {timeout}s\n{self.tail()}") from None
 
+    def rank_processes(self) -> dict[int, psutil.Process]:
+        """The live rank processes (torchrun's children), by global rank (from their RANK variable)."""
+        found = {}
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return {}
+        for child in children:
+            with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                found[int(child.environ()["RANK"])] = child
+        return found
+
+    def global_step(self, rank: int = 0) -> float:
+        """The rank's rankscope_global_step, scraped (0 before the first step)."""
+        from tests.support import sample_value
+
+        return sample_value(self.scrape(rank), "rankscope_global_step") or 0
+
     # --- ending it -------------------------------------------------------------------------------
 
     def kill_hard(self) -> None:

@@ -1,0 +1,29 @@
+"""Rules the whole project keeps, checked over every tracked file."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from tests.support import REPO
+
+#: Stopping processes by name would stop a user's own Prometheus too; we stop only what we started, by PID.
+_BY_NAME = re.compile(r"\b(pkill|killall)\b")
+
+
+def _tracked_text_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [path for path in listed.splitlines() if not path.endswith((".png", ".json"))]
+
+
+def test_no_script_test_or_benchmark_stops_a_process_by_name():
+    offenders = []
+    for path in _tracked_text_files():
+        if path == "tests/test_project_rules.py":
+            continue
+        try:
+            text = (REPO / path).read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        offenders += [f"{path}:{n}" for n, line in enumerate(text.splitlines(), 1) if _BY_NAME.search(line)]
+    assert offenders == []
