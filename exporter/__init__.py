@@ -7,10 +7,12 @@ Public API (everything else is private to the package):
 - :class:`RankIdentity` - run id, rank, local rank and node, from torchrun's environment.
 - :data:`METRICS`, :func:`metric`, :class:`MetricSpec` - the metric contract.
 - :class:`MetricsPortInUse` - raised when a rank's metrics port is taken.
+- :func:`set_log_level` - how much rankscope prints to stderr ("off" silences it; or RANKSCOPE_LOG_LEVEL).
 """
 
 from __future__ import annotations
 
+from ._log import set_log_level
 from .config import MonitorConfig, config_from_mapping
 from .contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec, metric
 from .discovery import write_file_sd
@@ -33,6 +35,7 @@ __all__ = [
     "config_from_mapping",
     "create_monitor",
     "metric",
+    "set_log_level",
     "write_file_sd",
 ]
 
