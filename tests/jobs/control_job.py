@@ -128,29 +128,27 @@ def _main(argv: list[str]) -> int:
 # --- the launcher (runs in the test process) -----------------------------------------------
 
 
-class ControlJob:
-    """A running 2-rank control_job under torchrun, and how to talk to rank 0's endpoint."""
+class ControlClient:
+    """A job started under torchrun with rank 0's control endpoint, as the tests talk to it.
 
-    def __init__(
-        self,
-        out: Path,
-        control_port: int,
-        master_port: int,
-        control: dict[str, Any] | None = None,
-        pg_timeout: float = 3.0,
-    ) -> None:
+    Subclasses start the job (`start`); this class polls it, posts actions and reads the files it writes.
+    """
+
+    def __init__(self, out: Path, control_port: int, run_id: str) -> None:
         self.out = out
+        self.run_id = run_id
         self.token = "test-token-" + os.urandom(8).hex()
-        token_file = out / "token"
-        token_file.write_text(self.token + "\n")
-        settings = {"port": control_port, "token_file": str(token_file), "pause_heartbeat_seconds": 0.5}
-        settings.update(control or {})
+        self.token_file = out / "token"
+        self.token_file.write_text(self.token + "\n")
+        self.control_port = control_port
         self.url = f"http://127.0.0.1:{control_port}"
         self.headers = {"Authorization": f"Bearer {self.token}"}
         self.log = out / "torchrun.log"
-        target = ["tests/jobs/control_job.py", "--out", str(out), "--control", json.dumps(settings)]
-        target += ["--pg-timeout", str(pg_timeout)]
-        self.proc = torchrun(2, target, master_port, {"RANKSCOPE_RUN_ID": "control-test"}, log=self.log)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, target: list[str], master_port: int, env: dict[str, str] | None = None) -> None:
+        """torchrun 2 ranks of `target` (a script and its arguments) with the run id and `env`."""
+        self.proc = torchrun(2, target, master_port, {"RANKSCOPE_RUN_ID": self.run_id, **(env or {})}, log=self.log)
 
     def wait_for(self, check: Callable[[], T], what: str, timeout: float = 60.0) -> T:
         """Poll `check` until truthy; fail at once if the job dies, with its log either way."""
@@ -208,6 +206,24 @@ class ControlJob:
     def close(self) -> int:
         """Teardown: end the job if a test left it running; its exit status."""
         return stop_process(self.proc)
+
+
+class ControlJob(ControlClient):
+    """A running 2-rank control_job under torchrun, and how to talk to rank 0's endpoint."""
+
+    def __init__(
+        self,
+        out: Path,
+        control_port: int,
+        master_port: int,
+        control: dict[str, Any] | None = None,
+        pg_timeout: float = 3.0,
+    ) -> None:
+        super().__init__(out, control_port, "control-test")
+        settings = {"port": control_port, "token_file": str(self.token_file), "pause_heartbeat_seconds": 0.5}
+        settings.update(control or {})
+        target = ["tests/jobs/control_job.py", "--out", str(out), "--control", json.dumps(settings)]
+        self.start([*target, "--pg-timeout", str(pg_timeout)], master_port)
 
 
 if __name__ == "__main__":
