@@ -94,6 +94,49 @@ def sample_value(page_samples: dict, name: str, **labels: str) -> float | None:
     return found[0] if found else None
 
 
+def promtool_problems(page: str) -> str:
+    """What `promtool check metrics` says about a /metrics page ("" when it is clean)."""
+    result = subprocess.run([binary("promtool"), "check", "metrics"], input=page, capture_output=True, text=True)
+    said = result.stdout + result.stderr
+    return "" if result.returncode == 0 and not said.strip() else said
+
+
+def _contract_series() -> dict[str, object]:
+    """Sample name -> contract spec, including the `_created` series prometheus_client adds to counters
+    and histograms."""
+    from exporter import METRICS, MetricKind
+
+    names = {name: spec for spec in METRICS.values() for name in spec.series_names}
+    for spec in METRICS.values():
+        if spec.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM):
+            names[spec.client_name + "_created"] = spec
+    return names
+
+
+def contract_violations(page: str) -> list[str]:
+    """Every rankscope series of a /metrics page whose name or labels differ from exporter.contract."""
+    by_series = _contract_series()
+    problems = []
+    for name, labels in samples(page):
+        if not name.startswith("rankscope_"):
+            continue
+        spec = by_series.get(name)
+        if spec is None:
+            problems.append(f"{name} is not in the contract")
+            continue
+        # An info metric's labels are its info keys; a histogram bucket adds `le`.
+        expected = set(spec.all_labels + (("le",) if name.endswith("_bucket") else ()))
+        if {key for key, _ in labels} != expected:
+            problems.append(f"{name} has labels {sorted(k for k, _ in labels)}, contract says {sorted(expected)}")
+    return problems
+
+
+def contract_families(page: str) -> set[str]:
+    """The contract metrics (full names) that have at least one series on a /metrics page."""
+    by_series = _contract_series()
+    return {by_series[name].name for name, _ in samples(page) if name in by_series}
+
+
 def tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
