@@ -79,6 +79,17 @@ class Tunables:
     nonfinite_steps: float = 2.0
     """More than this many non-finite steps in the window fires (fp16 loss scaling skips a few by design)."""
     nonfinite_for: str = "0s"
+    loss_scale_min: float = 1.0
+    """A GradScaler's loss scale below this has collapsed: fp16 cannot represent the gradients even unscaled."""
+    loss_scale_overflow_share: float = 0.05
+    """Overflow-skipped steps as a share of all steps (0..1) above this: dynamic scaling skips about one step
+    per growth interval (2000 by default) by design; this many mean the updates themselves are being lost."""
+    loss_scale_window: str = "15m"
+    """Range over which the share of overflow-skipped steps is measured."""
+    loss_scale_for: str = "10m"
+    checkpoint_failure_window: str = "1h"
+    """A failed checkpoint keeps its alert firing this long (each failure is an event; no `for`)."""
+    checkpoint_failing_for: str = "0s"
     grad_norm_explosion: float = 1e5
     """Total gradient norm above this is an explosion."""
     grad_explosion_for: str = "5m"
@@ -122,13 +133,15 @@ class Tunables:
             raise ValueError(
                 f"evaluation_interval must be empty or a duration such as 15s, got {self.evaluation_interval!r}"
             )
-        for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share"):
+        for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
+                     "loss_scale_overflow_share"):  # fmt: skip
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name} must be between 0 and 1 (exclusive), got {getattr(self, name)}")
         for name in ("divergence_factor", "imbalance_ratio"):
             if not getattr(self, name) > 1:
                 raise ValueError(f"{name} must be greater than 1, got {getattr(self, name)}")
-        for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds"):
+        for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
+                     "loss_scale_min"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
         if self.nonfinite_steps < 0:
@@ -303,6 +316,38 @@ def alerts(t: Tunables) -> list[Alert]:
             f"norm in the last {t.nonfinite_window} (more than {_num(t.nonfinite_steps)} fires). The trainer reduces "
             "the learning rate; check that the loss recovers.",
             "reduce_lr",
+        ),
+        Alert(
+            "RankscopeLossScaleCollapse",
+            f"label_replace(min by (run_id) (rankscope_loss_scale) < {_num(t.loss_scale_min)}, "
+            f'"signal", "scale", "", "")\n'
+            f"or\n"
+            f"label_replace(\n"
+            f"  max by (run_id) (rate(rankscope_loss_scale_overflows_total[{t.loss_scale_window}]))\n"
+            f"  /\n"
+            f"  (max by (run_id) (rate(rankscope_steps_total[{t.loss_scale_window}])) > 0)\n"
+            f'  > {_num(t.loss_scale_overflow_share)}, "signal", "overflow_share", "", ""\n'
+            f")",
+            t.loss_scale_for,
+            "ticket",
+            "Dynamic loss scaling is failing: the GradScaler's scale collapsed or most steps overflow.",
+            "Run {{ $labels.run_id }}: "
+            '{{ if eq $labels.signal "scale" }}the GradScaler\'s loss scale is {{ $value | printf "%.3g" }} '
+            f"(below {_num(t.loss_scale_min)})"
+            "{{ else }}{{ $value | humanizePercentage }} of steps overflowed and were skipped "
+            f"(threshold {t.loss_scale_overflow_share:.0%} over {t.loss_scale_window}){{{{ end }}}} "
+            f"for {t.loss_scale_for}. fp16 no longer represents the gradients; the updates are being lost.",
+        ),
+        Alert(
+            "RankscopeCheckpointFailing",
+            f"max by (run_id, reason) "
+            f"({_counted_in_window('rankscope_checkpoint_failures_total', t.checkpoint_failure_window)}) > 0",
+            t.checkpoint_failing_for,
+            "page",
+            "Checkpoints of a run cannot be written: a crash now would lose everything since the last one.",
+            'Run {{ $labels.run_id }} failed to write {{ $value | printf "%.0f" }} checkpoint(s) in the last '
+            f"{t.checkpoint_failure_window} (reason {{{{ $labels.reason }}}}). Training goes on, but a crash or a "
+            "stop loses the work since the last good checkpoint, and the run will exit with an error.",
         ),
         Alert(
             "RankscopeGradientExplosion",
