@@ -206,6 +206,7 @@ class ModuleStats:
         self._group_of = {id(p): index for index, params in enumerate(self.groups.values()) for p in params}
         self._sharing_checked = False
         self._sharing_exact = True
+        self._index_of: dict[tuple[int, ...], torch.Tensor] = {}
         self._every = every
         self._sink = sink
         self._due = False
@@ -287,16 +288,23 @@ class ModuleStats:
         """Squared 2-norm per group from per-parameter norms; a parameter listed twice counts once."""
         first = norms[0].device
         slot = len(self._names)  # repeats go to a slot that is dropped
-        seen: set[int] = set()
-        index = []
-        for param in params:
-            key = id(param)
-            index.append(slot if key in seen else self._group_of[key])
-            seen.add(key)
         squares = torch.stack([n.to(first, torch.float32) for n in norms]).square()
         per_group = torch.zeros(slot + 1, device=first)
-        per_group.index_add_(0, torch.tensor(index, dtype=torch.long, device=first), squares)
+        per_group.index_add_(0, self._group_index_of(params, first), squares)
         return per_group[:slot]
+
+    def _group_index_of(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The group of each of `params` as a device tensor, built once per parameter list (a host-to-device
+        copy every due step would be a synchronisation)."""
+        key = tuple(map(id, params))
+        found = self._index_of.get(key)
+        if found is None:
+            slot, seen, index = len(self._names), set(), []
+            for param_id in key:
+                index.append(slot if param_id in seen else self._group_of[param_id])
+                seen.add(param_id)
+            found = self._index_of[key] = torch.tensor(index, dtype=torch.long, device=device)
+        return found
 
     def _same_with_gradients(self, parameters: list[torch.Tensor]) -> bool:
         """Whether `parameters` and the watched ones have the same gradients (both sides skip the None ones)."""
