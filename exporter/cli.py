@@ -19,25 +19,20 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import requests
 
+from .control.catalog import CATALOG, Parameter
 from .control.config import DEFAULT_TOKEN_ENV, ControlConfig, load_token
 
 __all__ = ["main"]
 
 PROG = "rankscope-ctl"
 DEFAULT_URL = "http://127.0.0.1:9300"
-#: command -> (action, help)
-_ACTION_COMMANDS = {
-    "checkpoint": ("checkpoint", "write a checkpoint at the next step boundary"),
-    "reduce-lr": ("reduce_lr", "multiply every learning rate by a factor"),
-    "pause": ("pause", "hold every rank at the next step boundary"),
-    "resume": ("resume", "continue a paused job"),
-    "stop": ("stop", "checkpoint, then exit cleanly on every rank"),
-}
+#: command -> the action it posts (the catalog names each action's command).
+_ACTION_COMMANDS = {spec.command: spec for spec in CATALOG}
 _POLL_SECONDS = 0.2
 
 
@@ -53,14 +48,20 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not (math.isfinite(value) and 0.0 < value < 1.0):
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
+def _parameter_type(parameter: Parameter) -> Callable[[str], float]:
+    """An argparse type checking one catalog parameter, with its bounds in the error."""
+
+    def parse(text: str) -> float:
+        number = parameter.check(text)
+        if number is None:
+            try:
+                float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {parameter.bounds_text()}, got {text}")
+        return number
+
+    return parse
 
 
 def _seconds(text: str) -> float:
@@ -90,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.add_parser("status", help="print the run's status as JSON")
     commands.add_parser("health", help="check that the endpoint answers")
-    for name, (action, text) in _ACTION_COMMANDS.items():
-        sub = commands.add_parser(name, help=text)
+    for name, spec in _ACTION_COMMANDS.items():
+        sub = commands.add_parser(name, help=spec.help)
         sub.add_argument("--reason", default="", help="recorded with the outcome (and in checkpoints)")
         sub.add_argument(
             "--wait",
@@ -99,8 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECONDS",
             help="wait until every rank applied it (or it was refused); exit 1 unless applied",
         )
-        if action == "reduce_lr":
-            sub.add_argument("--factor", type=_factor, help="multiply learning rates by this (default: the job's)")
+        for parameter in spec.parameters:
+            sub.add_argument(
+                parameter.option,
+                dest=f"param_{parameter.name}",
+                type=_parameter_type(parameter),
+                help=f"{parameter.help}, {parameter.bounds_text()} (default: the job's)",
+            )
     return parser
 
 
@@ -122,10 +128,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "status":
         print(json.dumps(client.call("GET", "/v1/status"), indent=2))
         return 0
-    action = _ACTION_COMMANDS[args.command][0]
+    spec = _ACTION_COMMANDS[args.command]
+    action = spec.name
     body: dict[str, Any] = {"action": action, "reason": args.reason}
-    if getattr(args, "factor", None) is not None:
-        body["params"] = {"lr_factor": args.factor}
+    params = {p.name: getattr(args, f"param_{p.name}") for p in spec.parameters}
+    params = {name: value for name, value in params.items() if value is not None}
+    if params:
+        body["params"] = params
     accepted = client.call("POST", "/v1/actions", body)
     action_id = accepted["id"]
     print(f"accepted {action} as {action_id}")

@@ -9,17 +9,16 @@ from exporter.control.actions import ACTIONS, ActionRequest, RequestError, parse
 
 def test_a_full_request_becomes_an_operator_action():
     request = parse_action_body({"action": "reduce_lr", "params": {"lr_factor": 0.25}, "reason": "plateau"})
-    assert request == ActionRequest("reduce_lr", "operator", "operator:plateau", 0.25)
-    assert request.params() == {"lr_factor": 0.25}
+    assert request == ActionRequest("reduce_lr", "operator", "operator:plateau", {"lr_factor": 0.25})
 
 
 @pytest.mark.parametrize("action", ACTIONS)
 def test_every_action_needs_only_its_name(action):
     request = parse_action_body({"action": action})
-    assert (request.action, request.reason, request.lr_factor, request.key) == (
+    assert (request.action, request.reason, request.params, request.key) == (
         action,
         "operator:unspecified",
-        None,
+        {},
         None,
     )
 

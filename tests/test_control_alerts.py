@@ -66,9 +66,9 @@ def test_alerts_without_an_action_label_are_acknowledged_and_ignored():
 
 def test_lr_factor_comes_from_a_label_or_an_annotation_and_the_label_wins():
     from_annotation = parse_alert_payload(payload(alert(action="reduce_lr", annotations={"lr_factor": "0.3"})))
-    assert from_annotation.requests[0].lr_factor == 0.3
+    assert from_annotation.requests[0].params == {"lr_factor": 0.3}
     both = parse_alert_payload(payload(alert(action="reduce_lr", lr_factor="0.8", annotations={"lr_factor": "0.3"})))
-    assert both.requests[0].lr_factor == 0.8
+    assert both.requests[0].params == {"lr_factor": 0.8}
 
 
 def test_truncated_alerts_are_reported():

@@ -7,10 +7,11 @@ a one-line reason, before anything is queued.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .catalog import CATALOG, RESULTS, action_spec, parameter_owners
 
 __all__ = [
     "ACTIONS",
@@ -20,24 +21,11 @@ __all__ = [
     "check_reason",
     "one_line",
     "parse_action_body",
-    "parse_lr_factor",
+    "parse_parameter",
 ]
 
-#: Every action the channel knows, in the order the docs list them.
-ACTIONS: tuple[str, ...] = ("checkpoint", "reduce_lr", "pause", "resume", "stop")
-
-#: Outcomes, the `result` label of rankscope_control_actions_total and `status` of a settled action.
-RESULTS: tuple[str, ...] = (
-    "applied",  # every rank applied it at the same step
-    "noop",  # nothing to do (resume while running, pause while paused)
-    "refused_cooldown",  # the same action was applied too recently
-    "refused_cap",  # the action's cap (e.g. lr_max_reductions) is reached
-    "refused_floor",  # reduce_lr with every learning rate already at the floor
-    "overridden",  # carried out, but its effect did not happen (e.g. the loop overwrote a reduced learning rate)
-    "failed",  # some rank raised while applying it (see its log), or the loop reported it not done
-    "duplicate",  # an alert (fingerprint, startsAt) already received
-    "ignored",  # a resolved alert, or one without an `action` label
-)
+#: Every action the channel knows, in the order the docs list them (declared in `catalog`).
+ACTIONS: tuple[str, ...] = tuple(spec.name for spec in CATALOG)
 
 MAX_REASON_CHARS = 200
 #: Characters a reason may not hold: control characters and line breaks (the same pattern is in openapi.yaml).
@@ -60,20 +48,17 @@ class ActionRequest:
     action: str
     """One of ACTIONS."""
     source: str
-    """"alert" (Alertmanager) or "operator" (/v1/actions)."""
+    """"alert" (Alertmanager), "operator" (/v1/actions) or "signal" (SIGTERM/SIGINT, a lost agent)."""
     reason: str
     """Recorded with the outcome and in checkpoints: "alert:<alertname>" or "operator:<reason>"."""
-    lr_factor: float | None = None
-    """reduce_lr only: the factor asked for (None: the configured default)."""
+    params: dict[str, float] = field(default_factory=dict)
+    """The parameters asked for, checked against the catalog (the rest take their configured defaults)."""
     key: str | None = None
     """Idempotency key: "<fingerprint>@<startsAt>" for alerts, None for operators."""
 
-    def params(self) -> dict[str, float]:
-        return {} if self.lr_factor is None else {"lr_factor": self.lr_factor}
-
 
 _BODY_FIELDS = ("action", "params", "reason")
-_PARAMS = ("lr_factor",)
+_ALL_PARAMETERS = tuple(dict.fromkeys(p.name for spec in CATALOG for p in spec.parameters))
 
 
 def parse_action_body(body: Any) -> ActionRequest:
@@ -91,35 +76,38 @@ def parse_action_body(body: Any) -> ActionRequest:
     params = body.get("params", {})
     if not isinstance(params, dict):
         raise RequestError(400, f"field 'params' must be an object, got {_json_type(params)}")
-    unknown = sorted(set(params) - set(_PARAMS))
+    unknown = sorted(set(params) - set(_ALL_PARAMETERS))
     if unknown:
-        raise RequestError(400, f"unknown parameter params.{unknown[0]}; known: {', '.join(_PARAMS)}")
+        raise RequestError(400, f"unknown parameter params.{unknown[0]}; known: {', '.join(_ALL_PARAMETERS)}")
+    for name, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestError(400, f"params.{name} must be a number, got {_json_type(value)}")
     reason = body.get("reason", "")
     if not isinstance(reason, str):
         raise RequestError(400, f"field 'reason' must be a string, got {_json_type(reason)}")
     check_reason(reason, "field 'reason'")
     if action not in ACTIONS:
         raise RequestError(422, f"unknown action {_short(action)}; known: {', '.join(ACTIONS)}")
-    lr_factor = None
-    if "lr_factor" in params:
-        if action != "reduce_lr":
-            raise RequestError(422, f"params.lr_factor applies only to reduce_lr, not to {action}")
-        value = params["lr_factor"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestError(400, f"params.lr_factor must be a number, got {_json_type(value)}")
-        lr_factor = parse_lr_factor(value, "params.lr_factor")
-    return ActionRequest(action, "operator", f"operator:{reason or 'unspecified'}", lr_factor)
+    checked = {name: parse_parameter(action, name, value, f"params.{name}") for name, value in params.items()}
+    return ActionRequest(action, "operator", f"operator:{reason or 'unspecified'}", checked)
 
 
-def parse_lr_factor(value: Any, where: str) -> float:
-    """A reduce_lr factor: a number (or numeric string, from alert labels) strictly between 0 and 1."""
-    try:
-        factor = float(value)
-    except (TypeError, ValueError):
-        raise RequestError(422, f"{where} must be a number, got {_short(value)}") from None
-    if not (math.isfinite(factor) and 0.0 < factor < 1.0):
-        raise RequestError(422, f"{where} must be between 0 and 1 (exclusive), got {_short(value)}")
-    return factor
+def parse_parameter(action: str, name: str, value: Any, where: str) -> float:
+    """A parameter of `action` (a number, or a numeric string from alert labels) within its declared bounds."""
+    spec = action_spec(action)
+    parameter = spec.parameter(name) if spec is not None else None
+    if parameter is None:
+        owners = parameter_owners(name)
+        raise RequestError(422, f"{where} applies only to {', '.join(owners) or 'no action'}, not to {action}")
+    number = parameter.check(value)
+    if number is None:
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            raise RequestError(422, f"{where} must be a number, got {_short(value)}") from None
+        kind = "an integer " if parameter.integer else ""
+        raise RequestError(422, f"{where} must be {kind}{parameter.bounds_text()}, got {_short(value)}")
+    return number
 
 
 def check_reason(reason: str, where: str) -> None:

@@ -6,8 +6,8 @@
 
 The top-level `status` covers the whole group; each alert's own `status` says
 whether *it* fires, so that is the one we act on. The alert's `action` label
-names the action; `lr_factor` may come from its labels or annotations (the
-label wins). Alerts that are resolved or carry no `action` label are
+names the action; its parameters (e.g. `lr_factor`, see `catalog`) may come
+from its labels or annotations (the label wins). Alerts that are resolved or carry no `action` label are
 acknowledged and ignored. Fields we do not use are allowed, so a newer
 Alertmanager that adds fields is not refused (a 4xx would make it drop the
 notification for good).
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .actions import (
+    _ALL_PARAMETERS,
     ACTIONS,
     MAX_REASON_CHARS,
     ActionRequest,
@@ -26,7 +27,7 @@ from .actions import (
     _json_type,
     _short,
     one_line,
-    parse_lr_factor,
+    parse_parameter,
 )
 
 __all__ = ["AlertBatch", "parse_alert_payload"]
@@ -99,13 +100,12 @@ def _parse_alert(alert: Any, where: str, run_id: str | None) -> ActionRequest | 
         raise RequestError(422, f"{where} ({_short(name)}): unknown action {_short(action)}; known: {known}")
     # Alert names are not ours to refuse (a 4xx would lose the notification): cleaned, not checked.
     reason = "alert:" + one_line(name, MAX_REASON_CHARS - len("alert:"))
-    raw = labels.get("lr_factor", annotations.get("lr_factor"))
-    lr_factor = None
-    if raw is not None:
-        if action != "reduce_lr":
-            raise RequestError(422, f"{where} ({_short(name)}): lr_factor applies only to reduce_lr, not to {action}")
-        lr_factor = parse_lr_factor(raw, f"{where} ({_short(name)}) lr_factor")
-    return ActionRequest(action, "alert", reason, lr_factor, key=f"{fingerprint}@{starts_at}")
+    params = {}
+    for parameter in _ALL_PARAMETERS:
+        raw = labels.get(parameter, annotations.get(parameter))
+        if raw is not None:
+            params[parameter] = parse_parameter(action, parameter, raw, f"{where} ({_short(name)}) {parameter}")
+    return ActionRequest(action, "alert", reason, params, key=f"{fingerprint}@{starts_at}")
 
 
 def _string_map(value: Any, where: str) -> dict[str, str]:

@@ -55,6 +55,7 @@ from ..identity import RankIdentity
 from ..instruments import Instruments
 from .actions import ActionRequest
 from .app import AppDeps, create_app
+from .catalog import action_spec
 from .collective import agree_on_worst, broadcast_json, exchange
 from .config import ControlConfig, load_token
 from .effects import Check, LRReductionCheck, OptimizerWatch
@@ -353,10 +354,15 @@ class ControlChannel:
         return chosen
 
     def _order(self, record: ActionRecord) -> dict[str, Any]:
-        """What the other ranks need to apply `record` (the wire format of one action)."""
-        order: dict[str, Any] = {"id": record.id, "action": record.action, "reason": record.reason}
+        """What the other ranks need to apply `record` (the wire format of one action): its parameters
+        with the configured defaults filled in, decided here so that every rank applies the same."""
+        spec = action_spec(record.action)
+        params = {
+            p.name: record.params.get(p.name, getattr(self.config, p.default_setting, None))
+            for p in (spec.parameters if spec is not None else ())
+        }
+        order: dict[str, Any] = {"id": record.id, "action": record.action, "reason": record.reason, "params": params}
         if record.action == "reduce_lr":
-            order["lr_factor"] = record.params.get("lr_factor", self.config.lr_factor)
             order["floors"] = self._floors()  # rank 0's, so every rank scales alike
         return order
 
@@ -370,34 +376,40 @@ class ControlChannel:
 
     def _apply(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         """Carry out one order on this rank; (outcome code, one-line detail)."""
-        action, reason = order["action"], order["reason"]
+        action = order["action"]
         try:
-            if action == "checkpoint":
-                return self._expect(order, step, _checkpoint_check(handler.checkpoint(reason)))
-            if action == "reduce_lr":
-                return self._reduce_lr(order, step)
-            if action == "pause":
-                if self._paused:
-                    return _NOOP, "already paused"
-                self._set_paused(True)
-            elif action == "resume":
-                if not self._paused:
-                    return _NOOP, "not paused"
-                self._set_paused(False)
-            elif action == "stop":
-                handler.request_stop(reason)
-                self._stop_requested = True
-                self._set_paused(False)
-                if self.rank == 0:
-                    self.snapshot.update(stop_requested=True)
-                return self._expect(order, step, _trained_on)
+            return self._behaviours[action](order, step, handler)
         except Exception as exc:  # an action must not kill training; the outcome says it failed
             logger.exception("rankscope: rank %d failed to apply %s at step %d", self.rank, action, step)
             return _FAILED, f"rank {self.rank}: {type(exc).__name__}: {exc}"[:200]
+
+    # --- what each action does (one per catalog entry; see `_behaviours`) ---------------------------
+
+    def _checkpoint(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        return self._expect(order, step, _checkpoint_check(handler.checkpoint(order["reason"])))
+
+    def _pause(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        if self._paused:
+            return _NOOP, "already paused"
+        self._set_paused(True)
         return _APPLIED, ""
 
-    def _reduce_lr(self, order: dict[str, Any], step: int) -> tuple[int, str]:
-        factor, floors = float(order["lr_factor"]), order["floors"]
+    def _resume(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        if not self._paused:
+            return _NOOP, "not paused"
+        self._set_paused(False)
+        return _APPLIED, ""
+
+    def _stop(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        handler.request_stop(order["reason"])
+        self._stop_requested = True
+        self._set_paused(False)
+        if self.rank == 0:
+            self.snapshot.update(stop_requested=True)
+        return self._expect(order, step, _trained_on)
+
+    def _reduce_lr(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        factor, floors = float(order["params"]["lr_factor"]), order["floors"]
         before = current_learning_rates(self._optimizer)
         saved = capture_references(self._optimizer, self._scheduler)
         scale = self._lr_scale
@@ -416,6 +428,17 @@ class ControlChannel:
             self._lr_scale = scale
 
         return self._expect(order, step, check, undo)
+
+    @property
+    def _behaviours(self) -> dict[str, Callable[[dict[str, Any], int, ControlHandler], tuple[int, str]]]:
+        """Action name -> what this rank does for it (tests check it covers the catalog exactly)."""
+        return {
+            "checkpoint": self._checkpoint,
+            "reduce_lr": self._reduce_lr,
+            "pause": self._pause,
+            "resume": self._resume,
+            "stop": self._stop,
+        }
 
     def _unstop(self) -> None:
         """A stop that did not happen: the run is not stopping, and takes requests again."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .catalog import CATALOG
 from .config import ControlConfig
 
 __all__ = ["ActionLimits", "Limit"]
@@ -42,10 +43,18 @@ class ActionLimits:
 
     @classmethod
     def from_config(cls, config: ControlConfig, clock: Callable[[], float] = time.monotonic) -> ActionLimits:
+        """Each action's limits from the settings the catalog names for it."""
+
+        def setting(name: str) -> float:
+            return getattr(config, name) if name else 0
+
         return cls(
             {
-                "reduce_lr": Limit(config.lr_cooldown_steps, config.lr_cooldown_seconds, config.lr_max_reductions),
-                "checkpoint": Limit(config.checkpoint_cooldown_steps, config.checkpoint_cooldown_seconds),
+                spec.name: Limit(
+                    int(setting(spec.cooldown_steps)), float(setting(spec.cooldown_seconds)), int(setting(spec.cap))
+                )
+                for spec in CATALOG
+                if spec.cooldown_steps or spec.cooldown_seconds or spec.cap
             },
             clock,
         )

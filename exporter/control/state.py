@@ -117,7 +117,7 @@ class ActionQueue:
                     action=request.action,
                     source=request.source,
                     reason=request.reason,
-                    params=request.params(),
+                    params=dict(request.params),
                     received_at=now,
                 )
                 for request in fresh
@@ -160,7 +160,7 @@ class ActionQueue:
                 action=request.action,
                 source=request.source,
                 reason=request.reason,
-                params=request.params(),
+                params=dict(request.params),
                 received_at=self._clock(),
             )
             self._taken[record.id] = record

@@ -1,0 +1,99 @@
+"""Every copy of the action list is pinned to its one declaration, exporter/control/catalog.py.
+
+The channel's behaviours, the CLI's commands and options, the OpenAPI document, the limits, the
+Alertmanager route to the trainer and the rule generator's `action` labels are each checked
+against the catalog; the last test shows that a copy that drifts is caught.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import pytest
+import yaml
+
+from exporter.cli import build_parser
+from exporter.control import ControlChannel, ControlConfig
+from exporter.control.catalog import CATALOG, RESULTS
+from exporter.control.limits import ActionLimits
+from tests.support import REPO
+
+NAMES = [spec.name for spec in CATALOG]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_rules", REPO / "prometheus" / "generate_rules.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def route_problems(alertmanager: dict) -> list[str]:
+    """How the trainer route's `action` matcher differs from the catalog."""
+    routes = [r for r in alertmanager["route"]["routes"] if r["receiver"] == "trainer-control"]
+    matchers = [m for r in routes for m in r.get("matchers", []) if m.startswith("action=~")]
+    if len(matchers) != 1:
+        return [f"expected one action=~ matcher on the trainer route, found {matchers}"]
+    listed = re.fullmatch(r'action=~"(.*)"', matchers[0]).group(1).split("|")
+    return [] if listed == NAMES else [f"the trainer route matches {listed}, the catalog declares {NAMES}"]
+
+
+def test_the_channel_has_one_behaviour_per_declared_action():
+    channel = ControlChannel(ControlConfig(enabled=False))
+    assert list(channel._behaviours) == NAMES
+
+
+def test_the_cli_has_one_command_per_action_with_its_parameters():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for spec in CATALOG:
+        options = {option for a in commands[spec.command]._actions for option in a.option_strings}
+        assert {p.option for p in spec.parameters} <= options, spec.name
+    assert set(commands) == {spec.command for spec in CATALOG} | {"status", "health"}
+
+
+def test_the_openapi_document_declares_the_actions_parameters_and_results():
+    document = yaml.safe_load((REPO / "exporter" / "control" / "openapi.yaml").read_text())
+    schemas = document["components"]["schemas"]
+    assert schemas["Action"]["enum"] == NAMES
+    assert schemas["Result"]["enum"] == list(RESULTS)
+    declared = schemas["ActionRequest"]["properties"]["params"]["properties"]
+    for spec in CATALOG:
+        for parameter in spec.parameters:
+            bounds = declared[parameter.name]
+            key = "exclusive" if parameter.exclusive else ""
+            assert bounds[f"{key}Minimum" if key else "minimum"] == parameter.minimum
+            assert bounds[f"{key}Maximum" if key else "maximum"] == parameter.maximum
+            assert bounds["type"] == ("integer" if parameter.integer else "number")
+    assert set(declared) == {p.name for spec in CATALOG for p in spec.parameters}
+
+
+def test_limits_exist_for_exactly_the_actions_that_declare_them():
+    limits = ActionLimits.from_config(ControlConfig())
+    assert set(limits._limits) == {s.name for s in CATALOG if s.cooldown_steps or s.cooldown_seconds or s.cap}
+    for spec in CATALOG:
+        for setting in (spec.cooldown_steps, spec.cooldown_seconds, spec.cap):
+            assert not setting or hasattr(ControlConfig(), setting), (spec.name, setting)
+
+
+def test_the_alertmanager_route_to_the_trainer_matches_every_action():
+    assert route_problems(yaml.safe_load((REPO / "alertmanager" / "alertmanager.yml").read_text())) == []
+
+
+def test_every_shipped_alert_carries_only_an_action_the_catalog_lets_it_carry():
+    generator = _generator()
+    allowed = {alert: spec.name for spec in CATALOG for alert in spec.alerts}
+    carrying = {a.name: a.action for a in generator.alerts(generator.Tunables()) if a.action}
+    assert carrying == allowed
+
+
+@pytest.mark.parametrize("drift", ["drop", "add"])
+def test_a_drifted_copy_is_caught(drift):
+    alertmanager = yaml.safe_load((REPO / "alertmanager" / "alertmanager.yml").read_text())
+    route = next(r for r in alertmanager["route"]["routes"] if r["receiver"] == "trainer-control")
+    listed = NAMES[1:] if drift == "drop" else [*NAMES, "rollback"]
+    route["matchers"] = [f'action=~"{"|".join(listed)}"']
+    assert route_problems(alertmanager) != []
