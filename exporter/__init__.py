@@ -12,14 +12,36 @@ Public API (everything else is private to the package):
 
 from __future__ import annotations
 
-from ._log import set_log_level
-from .config import MonitorConfig, config_from_mapping
-from .contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec, metric
-from .discovery import write_file_sd
-from .identity import RankIdentity
-from .monitor import Monitor, StepContext
-from .null import NullMonitor
-from .server import MetricsPortInUse
+from typing import TYPE_CHECKING, Any
+
+from ._lazy import lazy_attributes
+
+if TYPE_CHECKING:  # for type checkers; at run time each name is imported on first use (no torch for the CLI)
+    from ._log import set_log_level
+    from .config import MonitorConfig, config_from_mapping
+    from .contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec, metric
+    from .discovery import write_file_sd
+    from .identity import RankIdentity
+    from .monitor import Monitor, StepContext
+    from .null import NullMonitor
+    from .server import MetricsPortInUse
+
+_WHERE = {
+    "set_log_level": "._log",
+    "MonitorConfig": ".config",
+    "config_from_mapping": ".config",
+    "IDENTITY_LABELS": ".contract",
+    "METRICS": ".contract",
+    "MetricKind": ".contract",
+    "MetricSpec": ".contract",
+    "metric": ".contract",
+    "write_file_sd": ".discovery",
+    "RankIdentity": ".identity",
+    "Monitor": ".monitor",
+    "StepContext": ".monitor",
+    "NullMonitor": ".null",
+    "MetricsPortInUse": ".server",
+}
 
 __all__ = [
     "IDENTITY_LABELS",
@@ -39,8 +61,18 @@ __all__ = [
     "write_file_sd",
 ]
 
+__getattr__ = lazy_attributes(__name__, _WHERE, globals())
 
-def create_monitor(config: MonitorConfig | None = None, **kwargs: object) -> Monitor | NullMonitor:
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def create_monitor(config: MonitorConfig | None = None, **kwargs: Any) -> Monitor | NullMonitor:
     """A Monitor, or a NullMonitor when `config.enabled` is False."""
+    from .config import MonitorConfig
+    from .monitor import Monitor
+    from .null import NullMonitor
+
     config = config or MonitorConfig()
     return Monitor(config, **kwargs) if config.enabled else NullMonitor()  # type: ignore[arg-type]

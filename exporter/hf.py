@@ -73,14 +73,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from . import create_monitor
-from ._log import LogOnce
-from .config import MonitorConfig
-from .control import ControlChannel, ControlConfig, record_checkpoint
-from .monitor import Monitor, StepContext
-from .null import NullMonitor
+from ._lazy import require
+
+require("hf", "transformers", "accelerate")
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+
+from . import create_monitor  # noqa: E402
+from ._log import LogOnce  # noqa: E402
+from .config import MonitorConfig  # noqa: E402
+from .control import ControlChannel, ControlConfig, record_checkpoint  # noqa: E402
+from .monitor import Monitor, StepContext  # noqa: E402
+from .null import NullMonitor  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import Trainer

@@ -12,4 +12,9 @@ its public API only. One module per concept:
 - `runtime`: process group, device, seeds and RNG state.
 """
 
+from exporter._lazy import require
+
+# The reference trainer is an extra: `pip install rankscope` alone brings only what the exporter needs.
+require("trainer", "torchvision", "transformers", "PIL")
+
 __all__: list[str] = []

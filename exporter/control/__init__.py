@@ -23,19 +23,44 @@ for DataLoader workers started with spawn/forkserver.
 
 from __future__ import annotations
 
-from .actions import ACTIONS, RESULTS
-from .app import AppDeps, create_app
-from .channel import ControlChannel, ControlHandler, ControlStartError
-from .config import ControlConfig, load_token
-from .lr import scale_learning_rates
-from .metrics import record_checkpoint, record_checkpoint_failure
-from .server import ControlPortInUse, ControlServer, serve_control
-from .state import ActionQueue, RunSnapshot
-from .stops import ignore_stop_signals
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
+
+if TYPE_CHECKING:  # at run time each name is imported on first use: the CLI needs neither torch nor the channel
+    from .actions import ACTIONS, RESULTS
+    from .app import AppDeps, create_app
+    from .channel import ControlChannel, ControlHandler, ControlStartError
+    from .config import ControlConfig, load_token
+    from .lr import scale_learning_rates
+    from .metrics import record_checkpoint, record_checkpoint_failure
+    from .server import ControlPortInUse, ControlServer, serve_control
+    from .state import ActionQueue, RunSnapshot
+    from .stops import ignore_stop_signals
+
+_WHERE = {
+    "ACTIONS": ".actions",
+    "RESULTS": ".actions",
+    "AppDeps": ".app",
+    "create_app": ".app",
+    "ControlChannel": ".channel",
+    "ControlHandler": ".channel",
+    "ControlStartError": ".channel",
+    "ControlConfig": ".config",
+    "load_token": ".config",
+    "scale_learning_rates": ".lr",
+    "record_checkpoint": ".metrics",
+    "record_checkpoint_failure": ".metrics",
+    "ControlPortInUse": ".server",
+    "ControlServer": ".server",
+    "serve_control": ".server",
+    "ActionQueue": ".state",
+    "RunSnapshot": ".state",
+    "ignore_stop_signals": ".stops",
+}
 
 __all__ = [
     "ACTIONS",
-    "RESULTS",
     "ActionQueue",
     "AppDeps",
     "ControlChannel",
@@ -44,6 +69,7 @@ __all__ = [
     "ControlPortInUse",
     "ControlServer",
     "ControlStartError",
+    "RESULTS",
     "RunSnapshot",
     "create_app",
     "ignore_stop_signals",
@@ -53,3 +79,9 @@ __all__ = [
     "scale_learning_rates",
     "serve_control",
 ]
+
+__getattr__ = lazy_attributes(__name__, _WHERE, globals())
+
+
+def __dir__() -> list[str]:
+    return __all__
