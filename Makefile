@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` runs the stack, `make test` the tests.
-.PHONY: demo test lint bootstrap dashboards
+.PHONY: demo test lint bootstrap dashboards report
 
 # Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores).
 DEMO_STEPS ?= 3000
@@ -9,6 +9,12 @@ bootstrap:
 
 demo: bootstrap
 	.venv/bin/python -m trainer.stack --steps $(DEMO_STEPS)
+
+# The run report of the demo (while `make demo` runs; on exit the demo writes .stack/report.html itself).
+# The demo writes its Prometheus's address (a free port if 9090 was taken) to .stack/prometheus-url.
+PROMETHEUS_URL ?= $(shell cat .stack/prometheus-url 2>/dev/null || echo http://127.0.0.1:9090)
+report: bootstrap
+	.venv/bin/rankscope-report --prometheus $(PROMETHEUS_URL) --log .stack/log.jsonl --out .stack/report.html
 
 test: bootstrap
 	.venv/bin/python -m pytest

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs everything rankscope needs on a fresh Debian machine, idempotently:
-# the Prometheus and Alertmanager servers (Debian packages) and a virtual
-# environment in .venv with the project and its dev extras.
+# the Prometheus and Alertmanager servers and Chromium (Debian packages) and a
+# virtual environment in .venv with the project and its dev extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+# The run report's test renders its page headless.
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

@@ -192,6 +192,8 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         report = tmp_path / "stack" / "report.html"
         assert report.exists() and report.with_suffix(".png").exists(), launcher_output[-4000:]
         assert f"wrote {report}" in launcher_output
+        url = (tmp_path / "stack" / "prometheus-url").read_text().strip()  # what `make report` asks
+        assert url == f"http://127.0.0.1:{ports['--prometheus-port']}"
     finally:
         if launcher.poll() is None:
             launcher.kill()

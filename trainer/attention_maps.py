@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -149,13 +148,13 @@ def _to_uint8(images: torch.Tensor) -> np.ndarray:
 def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
     # A report reading a live run never sees half a file.
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # rank 0 alone writes here; the umask applies
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with open(tmp, "wb") as handle:
             np.savez_compressed(handle, **arrays)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

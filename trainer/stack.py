@@ -375,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
     children = Children()
     try:
         monitoring = _start_monitoring(children, run_dir, ports, args.nproc, token)
+        (run_dir / "prometheus-url").write_text(f"http://127.0.0.1:{ports.prometheus}\n")  # for `make report`
         if stop.is_set():  # Ctrl-C while Prometheus and Alertmanager were starting
             return 0
         # The trainer writes to this terminal: its progress lines are the demo's output.

@@ -1,0 +1,143 @@
+"""The run report of a real run with a fault: built from its Prometheus and run log, read and rendered.
+
+One scenario (tests/e2e/harness.py): the reference trainer on 2 ranks under torchrun, the real
+Prometheus and Alertmanager with the repository's rules and routes; rank 0's loss turns NaN for
+a few steps, RankscopeNonFiniteSteps fires and its action reduces the learning rate on both
+ranks. Then `rankscope-report` (without --run-id: the newest run there) writes the report,
+whose HTML is parsed for every section and image, and headless Chromium renders it at 1280 px.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageStat
+
+from exporter.report.sections import SECTIONS
+from tests.e2e.harness import Stack
+from tests.support import REPO
+
+pytestmark = pytest.mark.e2e
+
+NAN_AT, NAN_STEPS = 31, 3  # after the first validation (step 20), so attention maps exist before the fault
+
+
+class _Page(HTMLParser):
+    """Section ids, and each section's embedded PNGs and table rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: list[str] = []
+        self.images: dict[str, list[bytes]] = {}
+        self.rows: dict[str, list[list[str]]] = {}
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "section":
+            self.sections.append(found.get("id") or "")
+        elif tag == "img":
+            src = found.get("src") or ""
+            assert src.startswith("data:image/png;base64,"), f"an image that is not embedded: {src[:80]}"
+            self.images.setdefault(self.sections[-1], []).append(base64.b64decode(src.split(",", 1)[1]))
+        elif tag == "tr":
+            self.rows.setdefault(self.sections[-1], []).append([])
+        elif tag == "td":
+            self._cell = []
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._cell is not None:
+            self.rows[self.sections[-1]][-1].append("".join(self._cell))
+            self._cell = None
+        elif tag == "tr" and not self.rows[self.sections[-1]][-1]:
+            self.rows[self.sections[-1]].pop()  # a header row: no cells
+
+
+def _picture(png: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(png))
+    image.load()
+    return image
+
+
+@pytest.fixture(scope="module")
+def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
+    st = module_stack("report")
+    job = st.start_trainer(
+        [f"faults.nonfinite.at_step={NAN_AT}", f"faults.nonfinite.steps={NAN_STEPS}", "faults.nonfinite.rank=0"],
+        max_steps=600,
+    )
+    (applied,) = st.wait(lambda: st.settled("reduce_lr"), "the alert's reduce_lr", timeout=180)
+    assert applied["reason"] == "alert:RankscopeNonFiniteSteps", applied
+    st.wait_for_step(applied["step"] + 10)
+    assert st.stop_trainer() == 0
+    out = tmp_path_factory.mktemp("report") / "report.html"
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter.report", "--prometheus", st.prometheus_url, "--log", str(job.log_file),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"run {st.run_id}," in result.stdout  # the newest run, found without --run-id
+    return st, out
+
+
+def test_the_report_has_every_section_with_its_pictures_and_names_the_incident_and_its_action(reported) -> None:
+    st, out = reported
+    page = _Page()
+    page.feed(out.read_text())
+    assert page.sections == ["facts", *SECTIONS]
+    for section in SECTIONS:
+        assert page.images.get(section), f"section {section} has no image"
+        for png in page.images[section]:
+            image = _picture(png)
+            assert image.width <= 1240 and ImageStat.Stat(image.convert("L")).stddev[0] > 10, section
+    assert len(page.images["attention"]) == 2  # the first and the latest validation
+    # The incident: the alert fired, and the action it caused was applied, with its fault-to-action time.
+    alerts = [row for row in page.rows["incidents"] if row[0] == "RankscopeNonFiniteSteps"]
+    assert alerts and alerts[0][2] == "page" and alerts[0][3] == "reduce_lr", page.rows["incidents"]
+    (action,) = [row for row in page.rows["incidents"] if row[0] == "reduce_lr"]
+    assert action[1:3] == ["alert", "applied"] and action[6] == "RankscopeNonFiniteSteps", action
+    seconds = float(re.match(r"([0-9.]+) s", action[7]).group(1))  # type: ignore[union-attr]
+    assert 0 < seconds < 20, action
+    assert action[8] == "prometheus + run log" and action[5].startswith("learning rate x0.")
+    stop = [row for row in page.rows["incidents"] if row[0] == "stop"]
+    assert stop and stop[0][1:3] == ["operator", "applied"] and stop[0][5] == "stop:operator:scenario-over", stop
+    text = out.read_text()
+    assert "finished (stopped: operator:scenario-over)" in text
+    assert _picture(out.with_suffix(".png").read_bytes()).size == (1240, 840)
+
+
+def test_the_report_renders_in_headless_chromium_at_1280_px(reported, tmp_path) -> None:
+    _, out = reported
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not on PATH: install the Debian package chromium (scripts/bootstrap.sh)")
+    shot = tmp_path / "shot.png"
+    result = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,4000",
+         out.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]
+    image = _picture(shot.read_bytes()).convert("L")
+    assert image.size == (1280, 4000)
+    # Not blank: the page's plots, tables and header make contrast all the way down, not one colour.
+    for top in range(0, 4000, 1000):
+        band = image.crop((0, top, 1280, top + 1000))
+        assert ImageStat.Stat(band).stddev[0] > 20, f"the screenshot is blank from y={top}"
+    dark = sum(count for count, value in image.getcolors(256) or [] if value < 128)  # type: ignore[misc]
+    assert dark > 0.02 * 1280 * 4000, "too little ink: the plots did not render"

@@ -1,0 +1,121 @@
+"""exporter.report.incidents: alert episodes from ALERTS samples, actions from the control counter and the
+run log, and the fault-to-action time between them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from exporter.report.incidents import action_events, alert_episodes, find_incidents
+from exporter.report.runlog import read_run_log
+from exporter.report.series import Series
+
+T0 = 1_800_000_000.0
+EVAL = 1.0
+
+
+def _alert(name: str, state: str, times: list[float], **labels: str) -> Series:
+    return Series({"alertname": name, "alertstate": state, "__name__": "ALERTS", **labels},
+                  np.array(times) + T0, np.ones(len(times)))  # fmt: skip
+
+
+def _counter(action: str, result: str, points: list[tuple[float, float]], source: str = "alert") -> Series:
+    return Series({"action": action, "source": source, "result": result},
+                  np.array([t for t, _ in points]) + T0, np.array([v for _, v in points]))  # fmt: skip
+
+
+DIVERGING = {"severity": "ticket", "action": "reduce_lr", "run_id": "r"}
+
+
+def test_pending_then_firing_samples_are_one_episode_and_a_long_gap_starts_another() -> None:
+    alerts = [
+        _alert("RankscopeLossDiverging", "pending", [10, 11], **DIVERGING),
+        _alert("RankscopeLossDiverging", "firing", [12, 13, 14, 40, 41], **DIVERGING),
+    ]
+    first, second = alert_episodes(alerts, EVAL, end=T0 + 100)
+    assert (first.pending_at, first.firing_at, first.ended_at) == (T0 + 10, T0 + 12, T0 + 14)
+    assert first.onset == T0 + 10 and not first.active and first.action == "reduce_lr"
+    assert (second.pending_at, second.firing_at) == (None, T0 + 40)  # it came back without pending again
+
+
+def test_alerts_of_different_ranks_are_separate_episodes_and_an_alert_still_firing_is_active() -> None:
+    alerts = [_alert("RankscopeRankDown", "firing", [5, 6, 7], rank=r, node="n0") for r in ("0", "1")]
+    episodes = alert_episodes(alerts, EVAL, end=T0 + 7)
+    assert [e.title for e in episodes] == ["RankscopeRankDown (rank=0, node=n0)", "RankscopeRankDown (rank=1, node=n0)"]
+    assert all(e.active for e in episodes)
+
+
+def test_an_alert_that_never_fired_is_an_episode_with_no_firing_time() -> None:
+    (episode,) = alert_episodes([_alert("RankscopeRankImbalance", "pending", [3, 4, 5])], EVAL, end=T0 + 60)
+    assert episode.firing_at is None and episode.onset == T0 + 3
+
+
+def test_every_increase_of_the_action_counter_is_an_action_between_two_scrapes() -> None:
+    applied = _counter("reduce_lr", "applied", [(20, 1), (21, 1), (22, 2), (30, 2), (31, 1)])
+    events = action_events([applied])
+    # First seen at 1 (the child is created by its first action), then +1, then a reset (a restart) to 1.
+    assert [(e.at - T0, None if e.after is None else e.after - T0, e.count) for e in events] == [
+        (20, None, 1), (22, 21, 1), (31, 30, 1),
+    ]  # fmt: skip
+    assert all((e.action, e.source, e.result) == ("reduce_lr", "alert", "applied") for e in events)
+
+
+def _log(tmp_path, records: list[dict]):
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return read_run_log(path)
+
+
+def test_an_alert_checkpoint_is_attributed_to_its_alert_with_the_run_logs_exact_time(tmp_path) -> None:
+    memory = {"severity": "ticket", "action": "checkpoint", "node": "n0"}
+    alerts = [
+        _alert("RankscopeHostMemoryHigh", "pending", [50, 51], **memory),
+        _alert("RankscopeHostMemoryHigh", "firing", [52, 53, 54], **memory),
+    ]
+    counter = _counter("checkpoint", "applied", [(55, 1), (56, 1)])
+    log = _log(tmp_path, [
+        {"type": "start", "step": 0, "time": T0},
+        {"type": "checkpoint", "step": 40, "reason": "interval", "path": "a", "time": T0 + 30},
+        {"type": "checkpoint", "step": 77, "reason": "alert:RankscopeHostMemoryHigh", "path": "b", "time": T0 + 53.4},
+    ])  # fmt: skip
+    found = find_incidents(alerts, [counter], interval=EVAL, end=T0 + 60, log=log)
+    (action,) = found.actions
+    assert (action.action, action.step, action.reason) == ("checkpoint", 77, "alert:RankscopeHostMemoryHigh")
+    assert action.at == T0 + 53.4 and action.evidence == ["prometheus", "run log"]
+    assert action.cause is found.episodes[0]
+    assert action.fault_to_action == pytest.approx(3.4)  # pending at 50 s, checkpoint written at 53.4 s
+    assert [reason for _, reason in found.checkpoints] == ["interval", "alert:RankscopeHostMemoryHigh"]
+
+
+def test_a_learning_rate_drop_in_the_run_log_gives_the_step_of_the_reduction(tmp_path) -> None:
+    alerts = [_alert("RankscopeNonFiniteSteps", "firing", [10, 11, 12], severity="page", action="reduce_lr")]
+    counter = _counter("reduce_lr", "applied", [(9, 0), (12, 1)])  # created at start by another outcome: 0
+    train = [{"type": "train", "step": s, "loss": 1.0, "lr": 1e-3 if s <= 43 else 5e-4, "time": T0 + 10 + s // 10}
+             for s in range(1, 60)]  # fmt: skip
+    log = _log(tmp_path, [{"type": "start", "step": 0, "time": T0 + 9}, *train])
+    found = find_incidents(alerts, [counter], interval=EVAL, end=T0 + 30, log=log)
+    (action,) = found.actions
+    assert (action.action, action.step, action.reason) == ("reduce_lr", 43, "learning rate x0.5")
+    assert action.cause is not None and action.cause.alertname == "RankscopeNonFiniteSteps"
+    assert action.fault_to_action == pytest.approx(2.0)
+
+
+def test_a_refusal_is_the_alerts_doing_but_has_no_fault_to_action_time_and_an_operator_stop_no_cause() -> None:
+    alerts = [_alert("RankscopeLossDiverging", "firing", [10, 11], **DIVERGING)]
+    counters = [
+        _counter("stop", "applied", [(30, 1)], source="operator"),
+        _counter("reduce_lr", "refused_cooldown", [(12, 1)]),
+    ]
+    step = Series({}, T0 + np.arange(0.0, 40.0), np.arange(0.0, 40.0) * 3)
+    found = find_incidents(alerts, counters, interval=EVAL, end=T0 + 40, global_step=step)
+    refused, stop = found.actions
+    assert (refused.result, refused.cause, refused.fault_to_action) == ("refused_cooldown", found.episodes[0], None)
+    assert (stop.action, stop.source, stop.cause, stop.step) == ("stop", "operator", None, 90)
+
+
+def test_paused_intervals_come_from_the_paused_gauge() -> None:
+    paused = Series({}, T0 + np.arange(20.0), np.array([0] * 5 + [1] * 6 + [0] * 9, dtype=float))
+    found = find_incidents([], [], interval=EVAL, end=T0 + 20, paused=paused)
+    assert found.paused == [(T0 + 5, T0 + 10)]
