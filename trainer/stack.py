@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from .narrator import SCENARIOS, Narrator
 from .processes import Child, Children, StackError
 
 __all__ = ["Ports", "derive_alertmanager_config", "derive_prometheus_config", "main"]
@@ -216,6 +217,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, help=f"rank r serves metrics-port + r (default {Ports.metrics})")
     parser.add_argument("--control-port", type=int, help=f"default {Ports.control}{taken}")
     parser.add_argument("--pager-port", type=int, default=None, help="a local webhook receiving pages (optional)")
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="nonfinite",
+        help="the fault the demo injects partway through, to show an alert turning into an action (default nonfinite)",
+    )
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
@@ -237,6 +244,7 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
         f"checkpoint.dir={run_dir / 'checkpoints'}",
         f"run.log_file={run_dir / 'log.jsonl'}",
         *([f"run.max_steps={args.steps}"] if args.steps else []),
+        *SCENARIOS[args.scenario].settings,
         *args.overrides,
     ]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
@@ -381,7 +389,13 @@ def run(args: argparse.Namespace) -> int:
         # The trainer writes to this terminal: its progress lines are the demo's output.
         trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
         print(_banner(ports, args.nproc, run_dir, token), flush=True)
-        _supervise(stop, monitoring, trainer)
+        print(f"  scenario        {args.scenario}: {SCENARIOS[args.scenario].expect}", flush=True)
+        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"http://127.0.0.1:{ports.control}",
+                            token.read_text().strip()).start()  # fmt: skip
+        try:
+            _supervise(stop, monitoring, trainer)
+        finally:
+            narrator.stop()
         print("stopping the stack: asking the trainer to checkpoint and stop ...", flush=True)
         _stop_trainer_gracefully(trainer, ports, token)
         _write_report(ports, run_dir)

@@ -32,6 +32,7 @@ from tests.e2e.harness import (
 from tests.jobs.trainer_job import TrainerJob
 from tests.support import sample_value
 from trainer.checkpoint import read_checkpoint
+from trainer.narrator import Narrator
 
 pytestmark = pytest.mark.e2e
 
@@ -225,6 +226,10 @@ def test_non_finite_losses_are_skipped_on_every_rank_alike_counted_and_alerted(s
         [f"faults.nonfinite.at_step={NAN_AT}", f"faults.nonfinite.steps={NAN_STEPS}", "faults.nonfinite.rank=0"],
         max_steps=600,
     )
+    # The demo's commentary watches this run as it would `make demo`'s.
+    said: list[str] = []
+    narrator = Narrator(st.prometheus_url, f"http://127.0.0.1:{st.ports.control}", st.token, said.append, 0.5)
+    narrator.start()
     st.wait_for_firing("RankscopeNonFiniteSteps", timeout=120)
     st.wait(lambda: max(job.losses(), default=0) > NAN_AT + NAN_STEPS, "rank 0's log past the NaN steps", 60)
     for rank in (0, 1):  # NaN on rank 0 reaches rank 1 through the all-reduce: both skip the same steps
@@ -245,6 +250,10 @@ def test_non_finite_losses_are_skipped_on_every_rank_alike_counted_and_alerted(s
     # The rule's action: the learning rate is reduced once.
     applied = st.wait(lambda: st.settled("reduce_lr"), "the alert's reduce_lr", timeout=30)
     assert [r["reason"] for r in applied] == ["alert:RankscopeNonFiniteSteps"]
+    told = f"demo: reduce_lr from alert:RankscopeNonFiniteSteps: applied on all 2 ranks at step {applied[0]['step']}"
+    st.wait(lambda: any(line.startswith(told) for line in said), "the narrator to tell the action", 10)
+    narrator.stop()
+    assert any(line.startswith("demo: alert RankscopeNonFiniteSteps firing") for line in said), said
     assert st.stop_trainer() == 0
 
 
