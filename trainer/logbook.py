@@ -6,7 +6,8 @@ log costs one sync per `log_every` steps, not one per step.
 
 JSONL records (one object per line, appended): `{"type": "train", "step",
 "loss", "acc_i2t", "acc_t2i", "lr"}` per step, `{"type": "val", ...}` per
-validation, and events (`start`, `resume`, `checkpoint`, `finished`).
+validation, and events (`start`, `resume`, `checkpoint`, `checkpoint_failed`, `action`,
+`finished`).
 Non-finite numbers are written as null (JSON has no NaN).
 """
 

@@ -213,6 +213,8 @@ class Trainer:
             self.validate()
         if self.channel is not None:
             applied = self.channel.at_step_boundary(self.step, self)  # may call checkpoint() / request_stop()
+            for action in applied:  # carried out on every rank at this step (its outcome: /v1/status)
+                self.log.event("action", step=self.step, action=action)
             if "pause" in applied or "resume" in applied:
                 self.log.restart_clock()  # a pause is not step time
         # A stop requested at this boundary checkpoints on the way out (reason "stop:..."): not twice.
