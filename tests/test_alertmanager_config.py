@@ -39,6 +39,8 @@ EXPECTED_RECEIVERS = {
     "RankscopeDeviceMemoryHigh": "trainer-control,tickets",
     "RankscopeLossDiverging": "trainer-control,tickets",
     "RankscopeNonFiniteSteps": "trainer-control,pager",
+    "RankscopeLossScaleCollapse": "tickets",
+    "RankscopeCheckpointFailing": "pager",
     "RankscopeGradientExplosion": "tickets",
     "RankscopeGradientVanishing": "tickets",
     "RankscopeRankImbalance": "pager",
