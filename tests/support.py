@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -297,32 +298,48 @@ class WebhookSink:
         self.server.server_close()
 
 
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+#: Ports handed out by this process: never twice, so two calls in one test cannot collide.
+_HANDED_OUT: set[int] = set()
+_PICKER = random.Random()
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port_block(count: int) -> int:
-    """A base port whose `count` consecutive ports are free right now (one per rank)."""
-    for _ in range(200):
-        base = free_port()
-        if base + count > 65535:
+    """A base port whose `count` consecutive ports are free right now (one per rank).
+
+    Chosen below the kernel's ephemeral range: a port from that range can be taken at any moment by
+    an outgoing connection of any process (a scrape, a client), between this check and the bind."""
+    low = 10000
+    high = _ephemeral_range()[0] - count
+    for _ in range(500):
+        base = _PICKER.randrange(low, high)
+        block = set(range(base, base + count))
+        if block & _HANDED_OUT or not all(_can_bind(port) for port in block):
             continue
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no block of {count} free ports found")
+        _HANDED_OUT.update(block)
+        return base
+    raise RuntimeError(f"no block of {count} free ports found below the ephemeral range")
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now (see free_port_block)."""
+    return free_port_block(1)
 
 
 def unix_time(rfc3339: str) -> float:
