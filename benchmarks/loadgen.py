@@ -1,23 +1,31 @@
 """A scrape load generator: GET a /metrics URL at a fixed rate, switched on and off from stdin.
 
     python -m benchmarks.loadgen http://127.0.0.1:9400/metrics --rate 20
+    python -m benchmarks.loadgen http://127.0.0.1:9400/metrics --rate 200 --hold 3000   # an abusive client
 
 Runs in its own process (as Prometheus would), on a fixed schedule (a late
 request does not shift the ones after it), over a fresh connection per
-scrape (the exporter's server speaks HTTP/1.0). After one scrape that
+scrape (the costlier case for the server: an accept per scrape). With
+`--hold N`, switching on first opens N idle connections that send nothing
+and are held until switched off (the server may close them; that is its
+defence). After one scrape that
 proves the URL works it prints `ready`. Commands on stdin, one per line:
 `on` and `off`, each answered with the state once it is in effect (after
 `off`, no scrape is in flight any more), also when it changes nothing, and
 the starting state is announced the same way. End of stdin (or SIGTERM/SIGINT) stops it; it
-then prints one JSON line: scrapes, errors, median and p99 latency in seconds.
+then prints one JSON line: scrapes, errors, the most idle connections held,
+median and p99 latency in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import resource
 import signal
+import socket
 import sys
 import threading
 import time
@@ -60,6 +68,27 @@ class Switch:
             self.changed.notify_all()
 
 
+def hold_connections(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` open connections that say nothing (as many as the open-files limit allows)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 64:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 64), hard))
+    held = []
+    for _ in range(count):
+        try:
+            held.append(socket.create_connection((host, port), timeout=5))
+        except OSError:
+            break  # out of descriptors or refused: hold what we have
+    return held
+
+
+def release(held: list[socket.socket]) -> None:
+    for sock in held:
+        with contextlib.suppress(OSError):
+            sock.close()
+    held.clear()
+
+
 def _read_commands(switch: Switch) -> None:
     for line in sys.stdin:
         command = line.strip()
@@ -73,11 +102,12 @@ def _read_commands(switch: Switch) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.loadgen", description=__doc__.splitlines()[0])
     parser.add_argument("url", help="the /metrics URL to scrape (loopback)")
-    parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second while on")
+    parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second while on (0: only --hold)")
     parser.add_argument("--off", action="store_true", help="start switched off (wait for `on`)")
+    parser.add_argument("--hold", type=int, default=0, help="idle connections to open and hold while on")
     args = parser.parse_args(argv)
-    if args.rate <= 0:
-        parser.error(f"--rate must be > 0, got {args.rate}")
+    if args.rate < 0 or args.hold < 0 or args.rate == 0 and not args.hold:
+        parser.error(f"--rate must be > 0 (or 0 with --hold) and --hold >= 0, got {args.rate} and {args.hold}")
     parts = urlsplit(args.url)
     if parts.scheme != "http" or not parts.hostname or not parts.port:
         parser.error(f"url must look like http://HOST:PORT/metrics, got {args.url!r}")
@@ -95,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_read_commands, args=(switch,), daemon=True).start()
     latencies: list[float] = []
     errors = 0
-    interval = 1.0 / args.rate
+    interval = 1.0 / args.rate if args.rate else 0.0
     acknowledged = 0  # commands answered so far: every command is, even one that changes nothing
     on = False
+    held: list[socket.socket] = []
+    most_held = 0
     next_at = time.monotonic()
     while True:
         with switch.changed:
@@ -105,10 +137,15 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if switch.commands != acknowledged:
                 acknowledged, was_on, on = switch.commands, on, switch.wanted
+                if on and not was_on and args.hold:
+                    held = hold_connections(host, port, args.hold)
+                    most_held = max(most_held, len(held))
+                elif was_on and not on:
+                    release(held)
                 print("on" if on else "off", flush=True)  # no scrape is in flight here
                 if on and not was_on:
                     next_at = time.monotonic()
-            if not on:
+            if not on or not args.rate:
                 switch.changed.wait()  # until a command arrives
                 continue
             remaining = next_at - time.monotonic()
@@ -122,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             errors += 1
         next_at += interval
+    release(held)
     summary = {
         "scrapes": len(latencies),
         "errors": errors,
+        "held": most_held,
         "median_seconds": percentile(latencies, 50),
         "p99_seconds": percentile(latencies, 99),
     }

@@ -1,25 +1,29 @@
-"""Benchmark 2: what a scrape costs one rank.
+"""Benchmark 2: what a scrape costs one rank, before (prometheus_client) and after (rankscope's own).
 
-    .venv/bin/python -m benchmarks.scrape            # ~1-2 min
-    .venv/bin/python -m benchmarks.scrape --quick    # ~40 s
+    .venv/bin/python -m benchmarks.scrape            # ~3.5 min
+    .venv/bin/python -m benchmarks.scrape --quick    # ~1.5 min
 
 Part 1, the page: a monitor that has trained the reference model for one
-trial (so every series it will ever have exists) is scraped `--renders` times.
-For each configuration it prints the time to render the page in-process
-(`generate_latest` on the monitor's registry, resource probes included:
-wall median and p99, and the median CPU time of the rendering thread, which
-other processes disturb less), the time of a whole HTTP GET over loopback
-(median and p99), the page size in bytes and the number of series (sample
-lines) one rank exposes.
+trial (so every series it will ever have exists). For each configuration the
+page is rendered `--renders` times by prometheus_client's `generate_latest`
+(before) and by `exporter.exposition.PageRenderer` without its cache (after),
+interleaved call by call on the same registry, resource probes included. It
+prints wall median and p99 of each, their ratio, the median CPU time of the
+rendering thread (which other processes disturb less), a whole HTTP GET of
+the served page over loopback (median and p99, the page cache on, as
+shipped), the page size in bytes and the number of series (sample lines).
 
 Part 2, scraping during training: the reference model trains with the
-default monitor in one long run, in blocks of `--block` steps; in one block
-of each pair a load generator in another process scrapes the rank `--rate`
-times a second (100x the shipped config's 5 s scrape), in the other nobody
-does (random order within each pair). Prints the step-time ratio
-scraped/quiet (overall and per pair) and the same for the training process's
-CPU time (all its threads, the metrics server's included), which the other
-processes of a shared machine disturb less.
+default monitor in one long run, in groups of `--block`-step blocks; each
+group has two quiet blocks (the second an A/A control: its ratio to the
+first is the measurement's own noise) and one block scraped `--rate` times a
+second (100x the shipped config's 5 s scrape) through each of three servers
+of the same registry: the monitor's own (cache on), the same without the
+cache, and prometheus_client's `start_http_server` (what shipped before), in
+random order within each group. A load generator in another process per server.
+Prints the step-time ratio to quiet (overall and per group), the same for
+the training process's CPU time (all its threads, the servers' included),
+the training process's CPU per scrape and the scrape latency.
 """
 
 from __future__ import annotations
@@ -27,27 +31,30 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import queue
-import random
 import statistics
 import subprocess
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
 import torch
-from prometheus_client import generate_latest
+from prometheus_client import generate_latest, start_http_server
 
 from exporter import MonitorConfig
+from exporter.exposition import PageRenderer
+from exporter.server import serve_metrics
 
 from .localstack import seconds, shipped_interval
-from .timing import machine_line, percentile, ratio_line
+from .timing import interleaved_blocks, machine_line, percentile, ratio_line
 from .workload import Variant, Workload, ensure_process_group, variants
 
-__all__ = ["main", "page_stats"]
+__all__ = ["LoadGenerator", "main", "page_stats"]
 
 
 def _configs() -> dict[str, Variant]:
@@ -71,14 +78,18 @@ def page_stats(page: bytes) -> tuple[int, int]:
     return len(page), series
 
 
-def _timed(function, count: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU (this thread's) seconds of `count` calls."""
-    wall, cpu = [], []
-    for _ in range(count):
-        started, started_cpu = time.perf_counter(), time.thread_time()
-        function()
-        wall.append(time.perf_counter() - started)
-        cpu.append(time.thread_time() - started_cpu)
+def _side_by_side(functions: dict[str, Callable[[], object]], count: int) -> tuple[dict, dict]:
+    """Wall and CPU (this thread's) seconds of `count` calls of each function, interleaved call by call
+    (in alternating order), so noise hits them alike."""
+    wall: dict[str, list[float]] = {name: [] for name in functions}
+    cpu: dict[str, list[float]] = {name: [] for name in functions}
+    names = list(functions)
+    for index in range(count):
+        for name in names if index % 2 else reversed(names):
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            functions[name]()
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.thread_time() - started_cpu)
     return wall, cpu
 
 
@@ -93,9 +104,11 @@ def _http_get(url: str) -> bytes:
 
 
 def measure_pages(work: Workload, renders: int) -> None:
-    print(f"\n1. one rank's /metrics page ({renders} renders each, after one trial of training)")
-    print(f"{'configuration':<20} {'render median/p99':>19} {'render CPU':>10} {'HTTP GET median/p99':>21} "
-          f"{'bytes':>8} {'series':>7}")  # fmt: skip
+    print(f"\n1. one rank's /metrics page ({renders} renders of each, interleaved, after one trial of training)")
+    print("   before: prometheus_client.generate_latest; after: exporter.exposition.PageRenderer (no cache),")
+    print("   both on the monitor's registry, resource probes included; GET: the served page (cached 1 s)")
+    print(f"{'configuration':<20} {'before median/p99':>19} {'after median/p99':>18} {'ratio':>6} "
+          f"{'CPU before/after':>17} {'GET median/p99':>17} {'bytes':>13} {'series':>9}")  # fmt: skip
     for name, variant in _configs().items():
         try:
             run = variant.prepare(work)
@@ -103,17 +116,23 @@ def measure_pages(work: Workload, renders: int) -> None:
             monitor = run.monitor
             assert monitor is not None and monitor.port is not None
             url = f"http://127.0.0.1:{monitor.port}/metrics"
-            page = _http_get(url)
-            size, series = page_stats(page)
-            render, render_cpu = _timed(lambda m=monitor: generate_latest(m.registry), renders)
-            fetch, _ = _timed(lambda u=url: _http_get(u), renders)
+            renderer = PageRenderer(monitor.registry)
+            before_page, after_page = generate_latest(monitor.registry), renderer.render()
+            wall, cpu = _side_by_side(
+                {"before": lambda m=monitor: generate_latest(m.registry), "after": renderer.render}, renders
+            )
+            fetch, _ = _side_by_side({"get": lambda u=url: _http_get(u)}, renders)
         finally:
             variant.close()
+        (size_before, series_before), (size_after, series_after) = page_stats(before_page), page_stats(after_page)
+        ratio = statistics.median(wall["before"]) / statistics.median(wall["after"])
+        cpu_line = f"{statistics.median(cpu['before']) * 1e3:.2f}/{statistics.median(cpu['after']) * 1e3:.2f} ms"
         print(
-            f"{name:<20} {_ms(render):>19} {statistics.median(render_cpu) * 1e3:>7.2f} ms {_ms(fetch):>21} "
-            f"{size:>8} {series:>7}",
+            f"{name:<20} {_ms(wall['before']):>19} {_ms(wall['after']):>18} {ratio:>5.1f}x {cpu_line:>17} "
+            f"{_ms(fetch['get']):>17} {size_before:>6}/{size_after:<6} {series_before:>4}/{series_after:<4}",
             flush=True,
         )
+    print("series: sample lines; before includes the _created series prometheus_client adds, after has none")
 
 
 def _ms(times: list[float]) -> str:
@@ -123,9 +142,9 @@ def _ms(times: list[float]) -> str:
 class LoadGenerator:
     """benchmarks.loadgen in a child process, switched on and off between blocks of steps."""
 
-    def __init__(self, url: str, rate: float) -> None:
+    def __init__(self, url: str, rate: float, hold: int = 0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.loadgen", url, "--rate", str(rate), "--off"],
+            [sys.executable, "-m", "benchmarks.loadgen", url, "--rate", str(rate), "--off", "--hold", str(hold)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -151,13 +170,13 @@ class LoadGenerator:
             raise RuntimeError(f"load generator said {line!r} instead of {word!r} (exit code {self.proc.poll()})")
         return line
 
-    def switch(self, on: bool) -> None:
+    def switch(self, on: bool, timeout: float = 30.0) -> None:
         """Returns once the generator is scraping (on) or has no scrape in flight any more (off)."""
         assert self.proc.stdin is not None
         word = "on" if on else "off"
         self.proc.stdin.write(word + "\n")
         self.proc.stdin.flush()
-        self._expect(word)
+        self._expect(word, timeout)
 
     def stop(self) -> dict:
         assert self.proc.stdin is not None
@@ -167,75 +186,92 @@ class LoadGenerator:
         return summary
 
 
-def measure_under_load(work: Workload, pairs: int, block: int, rate: float) -> None:
-    """One long training run; blocks of `block` steps alternate between scraped and quiet, in pairs whose
-    order is random, so slow drifts and bursts of noise hit both conditions alike."""
-    print(f"\n2. step time while scraped {rate:g}x/s: {pairs} pairs of {block}-step blocks (one scraped, one quiet)")
+#: Part 2's scraped conditions: which server answers the load generator.
+SERVERS = {
+    "after": "the monitor's own server: exporter.httpd + PageRenderer, page cached 1 s (the default)",
+    "after, no cache": "the same server and renderer with page_cache_seconds=0: every scrape renders",
+    "before": "prometheus_client.start_http_server on the same registry: what shipped before",
+}
+
+
+def measure_under_load(work: Workload, groups: int, block: int, rate: float) -> None:
+    """One long training run in groups of blocks: a quiet block and one block scraped through each server
+    in SERVERS, in random order within each group (benchmarks.timing.interleaved_blocks)."""
+    print(f"\n2. step time while scraped {rate:g}x/s: {groups} groups of {block}-step blocks, one block per "
+          "condition in random order")  # fmt: skip
+    for name, what in SERVERS.items():
+        print(f"   {name:<16} {what}")
     variant = variants()["rankscope default"]
-    steps_needed = (pairs + 1) * 2 * block
+    conditions = ["quiet", "quiet again", *SERVERS]  # quiet again: the measurement's own noise (A/A)
+    steps_needed = (groups + 1) * len(conditions) * block
     long = replace(work, batches=work.batches * -(-steps_needed // len(work.batches)))  # the same batches again
-    shuffler = random.Random(0)
-    wall = {"quiet": 0.0, "scraped": 0.0}
-    cpu = {"quiet": 0.0, "scraped": 0.0}
-    ratios = []
+    loads: dict[str, LoadGenerator] = {}
+    extra_servers: list[Callable[[], None]] = []
+    summaries: dict[str, dict] = {}
     try:
         run = variant.prepare(long)
-        assert run.monitor is not None and run.monitor.port is not None
-        load = LoadGenerator(f"http://127.0.0.1:{run.monitor.port}/metrics", rate)
-        steps = run.steps()
-        try:
-            for pair in range(pairs + 1):  # pair 0 warms up
-                order = ["quiet", "scraped"]
-                shuffler.shuffle(order)
-                took = {}
-                for condition in order:
-                    load.switch(condition == "scraped")
-                    started, started_cpu = time.perf_counter(), time.process_time()
-                    for _ in range(block):
-                        next(steps)
-                    took[condition] = time.perf_counter() - started
-                    if pair > 0:
-                        wall[condition] += took[condition]
-                        cpu[condition] += time.process_time() - started_cpu
-                if pair > 0:
-                    ratios.append(took["scraped"] / took["quiet"])
-            load.switch(False)
-        finally:
-            summary = load.stop()
+        monitor = run.monitor
+        assert monitor is not None and monitor.port is not None
+        uncached = serve_metrics(monitor.registry, "127.0.0.1", 0, page_cache_seconds=0)
+        extra_servers.append(uncached.close)
+        old_server, old_thread = start_http_server(0, addr="127.0.0.1", registry=monitor.registry)
+        extra_servers.append(lambda: (old_server.shutdown(), old_server.server_close(), old_thread.join(5)))
+        ports = {"after": monitor.port, "after, no cache": uncached.port, "before": old_server.server_address[1]}
+        loads = {name: LoadGenerator(f"http://127.0.0.1:{port}/metrics", rate) for name, port in ports.items()}
+
+        def switch(condition: str) -> None:
+            for name, load in loads.items():
+                if name != condition:
+                    load.switch(False)
+            if condition in loads:
+                loads[condition].switch(True)
+
+        times = interleaved_blocks(run.steps(), conditions, switch, groups, block)
+        switch("quiet")
     finally:
+        for name, load in loads.items():
+            summaries[name] = load.stop()
+        for close in extra_servers:
+            close()
         variant.close()
-    steps_each = pairs * block
-    print(f"{'':<8} {'wall/step':>10} {'process CPU/step':>17}")
-    for condition in ("quiet", "scraped"):
-        per_step = wall[condition] / steps_each * 1e3, cpu[condition] / steps_each * 1e3
-        print(f"{condition:<8} {per_step[0]:>7.2f} ms {per_step[1]:>14.2f} ms")
-    print(f"ratio scraped/quiet: wall {wall['scraped'] / wall['quiet']:.3f} (per pair {ratio_line(ratios)}), "
-          f"process CPU {cpu['scraped'] / cpu['quiet']:.3f}")  # fmt: skip
-    print(f"load generator: {summary.get('scrapes')} scrapes, {summary.get('errors')} errors, scrape latency "
-          f"median {summary['median_seconds'] * 1e3:.2f} ms, p99 {summary['p99_seconds'] * 1e3:.2f} ms")  # fmt: skip
-    # The warm-up pair's scrapes are in the generator's count too: take the measured pairs' share.
-    scrapes = (summary.get("scrapes") or 0) * pairs / (pairs + 1)
-    if scrapes:
-        per_scrape = (cpu["scraped"] - cpu["quiet"]) / scrapes
-        interval = shipped_interval()[0]
-        share = per_scrape / seconds(interval) * 100
-        print(f"about {per_scrape * 1e3:.1f} ms of the training process's CPU per scrape: "
-              f"{share:.2f}% of one core at the shipped {interval} interval")  # fmt: skip
-    print("process CPU: all threads of the training process (the metrics server's included), not other processes")
+    steps_each = groups * block
+    print(f"{'condition':<16} {'wall/step':>10} {'process CPU/step':>17} {'wall ratio to quiet (per group)':>34} "
+          f"{'CPU ratio':>9} {'CPU/scrape':>10} {'scrape median/p99':>19} {'errors':>6}")  # fmt: skip
+    for condition in conditions:
+        wall, cpu = sum(times.wall[condition]) / steps_each, sum(times.cpu[condition]) / steps_each
+        line = f"{condition:<16} {wall * 1e3:>7.2f} ms {cpu * 1e3:>14.2f} ms"
+        if condition == "quiet again":
+            line += f" {times.total_ratio(condition, 'quiet'):>9.3f} ({ratio_line(times.ratios(condition, 'quiet'))})"
+            line += f" {times.total_ratio(condition, 'quiet', cpu=True):>9.3f}   (nobody scrapes: the A/A control)"
+        elif condition in summaries:
+            summary = summaries[condition]
+            # The warm-up group's scrapes are in the generator's count too: take the measured groups' share.
+            scrapes = (summary.get("scrapes") or 0) * groups / (groups + 1)
+            per_scrape = (sum(times.cpu[condition]) - sum(times.cpu["quiet"])) / scrapes if scrapes else math.nan
+            latency = f"{summary['median_seconds'] * 1e3:.2f} / {summary['p99_seconds'] * 1e3:.2f} ms"
+            line += (
+                f" {times.total_ratio(condition, 'quiet'):>9.3f} ({ratio_line(times.ratios(condition, 'quiet'))})"
+                f" {times.total_ratio(condition, 'quiet', cpu=True):>9.3f} {per_scrape * 1e3:>7.2f} ms"
+                f" {latency:>19} {summary.get('errors'):>6}"
+            )
+        print(line)
+    interval = shipped_interval()[0]
+    print(f"CPU/scrape: the training process's extra CPU per scrape; at the shipped {interval} interval a scrape")
+    print(f"costs CPU/scrape / {seconds(interval):g} s of one core. Process CPU: all threads of the training process.")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scrape", description=__doc__.splitlines()[0])
     parser.add_argument("--renders", type=int, default=300, help="renders/GETs per configuration")
-    parser.add_argument("--pairs", type=int, default=30, help="pairs of blocks (one scraped, one quiet)")
-    parser.add_argument("--block", type=int, default=10, help="training steps per block")
+    parser.add_argument("--groups", type=int, default=20, help="groups of blocks (one per condition)")
+    parser.add_argument("--block", type=int, default=20, help="training steps per block")
     parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second during training")
-    parser.add_argument("--quick", action="store_true", help="100 renders, 12 pairs")
+    parser.add_argument("--quick", action="store_true", help="100 renders, 8 groups")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    if min(args.renders, args.pairs, args.block) < 1 or args.rate <= 0:
-        parser.error("--renders, --pairs and --block must be >= 1 and --rate > 0")
-    renders, pairs = (100, 12) if args.quick else (args.renders, args.pairs)
+    if min(args.renders, args.groups, args.block) < 1 or args.rate <= 0:
+        parser.error("--renders, --groups and --block must be >= 1 and --rate > 0")
+    renders, groups = (100, 8) if args.quick else (args.renders, args.groups)
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -243,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Workload.build(50)
     print(machine_line())
     measure_pages(work, renders)
-    measure_under_load(work, pairs, args.block, args.rate)
+    measure_under_load(work, groups, args.block, args.rate)
     print(machine_line())
 
 

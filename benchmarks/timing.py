@@ -17,9 +17,10 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["lockstep", "machine_line", "paired_ratios", "percentile", "ratio_line"]
+__all__ = ["BlockTimes", "interleaved_blocks", "lockstep", "machine_line", "paired_ratios", "percentile", "ratio_line"]
 
 
 def machine_line() -> str:
@@ -52,6 +53,53 @@ def lockstep(loops: dict[str, Iterator[None]]) -> tuple[dict[str, float], dict[s
             if finished:
                 active.remove(name)
     return wall, cpu
+
+
+@dataclass
+class BlockTimes:
+    """Per condition, one block's wall and process-CPU seconds per group (warm-up group left out)."""
+
+    wall: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+
+    def ratios(self, condition: str, base: str) -> list[float]:
+        """Group-by-group wall-time ratios condition/base."""
+        return paired_ratios(self.wall[condition], self.wall[base])
+
+    def total_ratio(self, condition: str, base: str, cpu: bool = False) -> float:
+        times = self.cpu if cpu else self.wall
+        return sum(times[condition]) / sum(times[base])
+
+
+def interleaved_blocks(
+    steps: Iterator[None],
+    conditions: Sequence[str],
+    switch: Callable[[str], None],
+    groups: int,
+    block: int,
+    after_block: Callable[[str], None] = lambda condition: None,
+) -> BlockTimes:
+    """One long training run in groups of blocks: each group has one block of `block` steps per condition,
+    in a fresh random order (group 0 warms up and is not counted), so slow drifts and bursts of noise hit
+    every condition alike. `switch(condition)` sets the condition up before its block and returns once
+    it is in effect; `after_block(condition)` runs after each block, outside the timing. CPU time is the
+    whole process's (all its threads: the metrics server's included)."""
+    shuffler = random.Random(0)
+    times = BlockTimes({c: [] for c in conditions}, {c: [] for c in conditions})
+    for group in range(groups + 1):
+        order = list(conditions)
+        shuffler.shuffle(order)
+        for condition in order:
+            switch(condition)
+            started, started_cpu = time.perf_counter(), time.process_time()
+            for _ in range(block):
+                next(steps)
+            wall, cpu = time.perf_counter() - started, time.process_time() - started_cpu
+            after_block(condition)
+            if group > 0:
+                times.wall[condition].append(wall)
+                times.cpu[condition].append(cpu)
+    return times
 
 
 def paired_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:

@@ -26,8 +26,9 @@ class MonitorConfig:
     CPU tensors cost nothing to read and are resolved every step."""
     module_stats_every_n_steps: int = 50
     """Per-module gradient norms and update ratios are computed on this interval (0 = never)."""
-    max_module_groups: int = 16
-    """Top-level module groups get their own `module` label; the rest share module="other"."""
+    max_module_groups: int = 4
+    """Top-level module groups get their own `module` label (the first max_module_groups - 1 of them); the rest
+    share module="other". Each group is two series per rank (grad norm, update ratio)."""
     skip_nonfinite: bool = False
     """Skip the optimizer update when loss or gradient norm is NaN/inf, on all ranks alike.
     Costs one host-device sync (and, with several ranks, one tiny all-reduce) per step."""
@@ -43,6 +44,10 @@ class MonitorConfig:
     """Goes into rankscope_run_info."""
     config_hash: str = ""
     """Goes into rankscope_run_info (e.g. a hash of the training config)."""
+    page_cache_seconds: float = 1.0
+    """The rendered /metrics page is reused for this long, so the page is rendered and the probes run
+    at most once per period however often it is scraped (a scrape may see values this much older).
+    0 renders on every scrape."""
 
     def __post_init__(self) -> None:
         self.probes = tuple(self.probes)
@@ -52,6 +57,9 @@ class MonitorConfig:
         at_least("metrics.resolve_every_n_steps", self.resolve_every_n_steps, 1)
         at_least("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, 0)
         at_least("metrics.max_module_groups", self.max_module_groups, 1)
+        cache = self.page_cache_seconds
+        if isinstance(cache, bool) or not isinstance(cache, int | float) or not 0 <= cache <= 3600:
+            raise ValueError(f"metrics.page_cache_seconds must be between 0 and 3600 (0: no cache), got {cache!r}")
         at_least("metrics.spike_window", self.spike_window, 2)
         at_least("metrics.spike_patience", self.spike_patience, 1)
         if not self.spike_ratio > 1.0:

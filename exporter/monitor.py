@@ -127,7 +127,14 @@ class Monitor:
             self._set_run_info()
             port = 0 if self.config.base_port == 0 else self.config.base_port + self.identity.local_rank
             who = f"rank {self.identity.rank} (local_rank {self.identity.local_rank}): "
-            self._server = serve_metrics(self.registry, self.config.host, port, self.config.port_fallback, who)
+            self._server = serve_metrics(
+                self.registry,
+                self.config.host,
+                port,
+                self.config.port_fallback,
+                who,
+                page_cache_seconds=self.config.page_cache_seconds,
+            )
             logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
         return self._server
 

@@ -179,3 +179,39 @@ def test_a_taken_port_is_a_named_error(server):
 def test_the_url_names_host_and_port(server):
     served, _ = server
     assert served.url == f"http://127.0.0.1:{served.port}"
+
+
+def _stall_mid_body(port, headers: bytes) -> tuple[int, dict]:
+    """POST 100 declared bytes, send 10, then wait for the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/actions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+            + headers
+            + b'\r\n{"action":'
+        )
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+def test_a_body_that_stops_arriving_gets_408_and_changes_nothing():
+    deps = AppDeps(ActionQueue(), RunSnapshot(), TOKEN)
+    served = serve_control(create_app(deps), "127.0.0.1", 0, timeout=0.5)
+    try:
+        status, body = _stall_mid_body(served.port, f"Authorization: Bearer {TOKEN}\r\n".encode())
+        assert status == 408, body
+        assert body["error"] == "the body did not arrive within 0.5 s (10 of 100 bytes)"
+        assert_unchanged_and_serving(served, deps)
+    finally:
+        served.close()
+
+
+def test_a_stalled_body_with_a_wrong_token_gets_the_token_refusal_first():
+    deps = AppDeps(ActionQueue(), RunSnapshot(), TOKEN)
+    served = serve_control(create_app(deps), "127.0.0.1", 0, timeout=0.5)
+    try:
+        status, _ = _stall_mid_body(served.port, b"Authorization: Bearer wrong\r\n")
+        assert status == 403  # the app's order of checks: the token before the body
+        assert_unchanged_and_serving(served, deps)
+    finally:
+        served.close()
