@@ -162,7 +162,7 @@ def _torch_gradient_norms(grads: list[torch.Tensor], foreach: bool | None) -> tu
     `get_total_norm` computes them (torch/nn/utils/clip_grad.py): grouped by device and dtype, one
     `_foreach_norm` per group, then the norm of the stacked norms in group order. The same ops in the
     same order give the same bits; `ModuleStats` checks that once against torch itself."""
-    grouped = _group_tensors_by_device_and_dtype([grads])
+    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # the grouping torch's own uses
     in_order: list[torch.Tensor | None] = [None] * len(grads)
     stacked = []
     for (device, _), ([device_grads], indices) in grouped.items():

@@ -47,6 +47,10 @@ class Trace:
     losses: list[float] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
+    monitor_errors: float = 0.0
+    """Failures the monitor counted (rankscope_monitor_errors_total, all probes): a fallback would hide them."""
+    shared_clip: bool = False
+    """Whether the clip and the module norms shared their norms (the path whose exactness is at stake)."""
 
     def bits(self) -> tuple[list[bytes], list[bytes]]:
         """Losses and norms as their exact float64 bit patterns (NaN compares equal to the same NaN)."""
@@ -256,6 +260,16 @@ def train(
             trace.norms.append(float(norm))
     finally:
         if monitor is not None:
+            errors = [
+                sample.value
+                for family in monitor.registry.collect()
+                if family.name == "rankscope_monitor_errors"
+                for sample in family.samples
+                if sample.name == "rankscope_monitor_errors_total"
+            ]
+            trace.monitor_errors = sum(errors)
+            trace.shared_clip = monitor._modules is not None and monitor._modules._sharing_exact
+            trace.shared_clip = trace.shared_clip and monitor._modules._sharing_checked
             monitor.close()
     trace.params = [p.detach().clone() for p in model.parameters()]
     return trace

@@ -21,6 +21,8 @@ def test_a_monitored_run_is_bit_identical_to_the_plain_run(archetype):
     plain = train(archetype, monitored=False)
     monitored = train(archetype, monitored=True)
     assert differences(plain, monitored) == []
+    # ... by the monitor's own path, not by a fallback after a failure.
+    assert monitored.monitor_errors == 0 and monitored.shared_clip
 
 
 def test_the_tied_gpt2_clip_norm_is_torch_s_on_the_first_step():

@@ -41,6 +41,8 @@ def main() -> None:
             for monitored in (False, True)
         ]
         found[archetype] = differences(*runs)
+        if runs[1].monitor_errors or not runs[1].shared_clip:  # bit-identical by the monitor's own path
+            found[archetype].append(f"monitor errors {runs[1].monitor_errors}, shared clip {runs[1].shared_clip}")
     (args.out / f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
