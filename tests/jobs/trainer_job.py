@@ -48,6 +48,7 @@ class TrainerJob:
             "metrics.host=127.0.0.1",
             f"metrics.base_port={metrics_base_port}",
             f"metrics.file_sd_path={self.targets_file}",
+            "metrics.page_cache_seconds=0",  # tests read a page right after an event; the cache has its own tests
             "control.endpoint=false",  # no HTTP endpoint unless a test asks; SIGTERM still checkpoints
             f"checkpoint.dir={self.checkpoint_dir}",
             f"run.log_file={self.log_file}",
