@@ -157,15 +157,19 @@ def _combine_norms(per_device: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([norms.to(first) for norms in per_device]).square().sum(dim=0).sqrt()
 
 
-def _torch_gradient_norms(grads: list[torch.Tensor], foreach: bool | None) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each gradient's 2-norm (in `grads`' order) and the total norm, computed exactly as torch's
-    `get_total_norm` computes them (torch/nn/utils/clip_grad.py): grouped by device and dtype, one
-    `_foreach_norm` per group, then the norm of the stacked norms in group order. The same ops in the
-    same order give the same bits; `ModuleStats` checks that once against torch itself."""
+def _torch_gradient_norms(
+    grads: list[torch.Tensor], foreach: bool | None
+) -> tuple[list[tuple[list[int], list[torch.Tensor]]], torch.Tensor]:
+    """The gradients' 2-norms and their total norm, computed exactly as torch's `get_total_norm`
+    computes them (torch/nn/utils/clip_grad.py): grouped by device and dtype, one `_foreach_norm` per
+    group, then the norm of the stacked norms in group order. The same ops in the same order give the
+    same bits; `ModuleStats` checks that once against torch itself.
+
+    Returns, per device/dtype group, the gradients' positions in `grads` and their norms; and the total."""
     grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # the grouping torch's own uses
-    in_order: list[torch.Tensor | None] = [None] * len(grads)
-    stacked = []
-    for (device, _), ([device_grads], indices) in grouped.items():
+    groups = []
+    stacked: list[torch.Tensor] = []
+    for (device, _), ([device_grads], positions) in grouped.items():
         if (foreach is None and _has_foreach_support(device_grads, device)) or (
             foreach and _device_has_foreach_support(device)
         ):
@@ -173,11 +177,10 @@ def _torch_gradient_norms(grads: list[torch.Tensor], foreach: bool | None) -> tu
         else:
             norms = [torch.linalg.vector_norm(g, 2.0) for g in device_grads]
         stacked.extend(norms)
-        for position, norm in zip(indices, norms, strict=True):
-            in_order[position] = norm
+        groups.append((positions, norms))
     first = grads[0].device
     total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in stacked]), 2.0)
-    return in_order, total  # type: ignore[return-value]
+    return groups, total
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -206,7 +209,7 @@ class ModuleStats:
         self._group_of = {id(p): index for index, params in enumerate(self.groups.values()) for p in params}
         self._sharing_checked = False
         self._sharing_exact = True
-        self._index_of: dict[tuple[int, ...], torch.Tensor] = {}
+        self._index_of: dict[tuple[int, ...], list[torch.Tensor]] = {}
         self._every = every
         self._sink = sink
         self._due = False
@@ -265,7 +268,7 @@ class ModuleStats:
             if not with_grads:
                 return None
             grads = [p.grad for p in with_grads]
-            norms, total = _torch_gradient_norms(grads, foreach)
+            groups, total = _torch_gradient_norms(grads, foreach)
             if not self._sharing_checked:
                 # Once per run: the total must be torch's own, bit for bit, or sharing is off for good.
                 self._sharing_checked = True
@@ -274,7 +277,7 @@ class ModuleStats:
                     self._sharing_exact = False
                     return None
             torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach)
-            squares = self._group_squares(with_grads, norms)
+            squares = self._group_squares(with_grads, groups)
         self._grad_norms_recorded = True
         try:  # the gradients are clipped: from here on a failure must not make the caller clip again
             self._sink("module_grad_norm", self._names, squares.sqrt())
@@ -284,26 +287,34 @@ class ModuleStats:
             self._on_error(exc)
         return total
 
-    def _group_squares(self, params: list[torch.Tensor], norms: list[torch.Tensor]) -> torch.Tensor:
-        """Squared 2-norm per group from per-parameter norms; a parameter listed twice counts once."""
-        first = norms[0].device
+    def _group_squares(
+        self, params: list[torch.Tensor], groups: list[tuple[list[int], list[torch.Tensor]]]
+    ) -> torch.Tensor:
+        """Squared 2-norm per module group from the per-parameter norms (one stack per device/dtype
+        group: call count is the cost here); a parameter listed twice counts once."""
+        first = groups[0][1][0].device
         slot = len(self._names)  # repeats go to a slot that is dropped
-        squares = torch.stack([n.to(first, torch.float32) for n in norms]).square()
         per_group = torch.zeros(slot + 1, device=first)
-        per_group.index_add_(0, self._group_index_of(params, first), squares)
+        for (_, norms), index in zip(groups, self._group_index_of(params, groups, first), strict=True):
+            per_group.index_add_(0, index, torch.stack(norms).to(first, torch.float32).square())
         return per_group[:slot]
 
-    def _group_index_of(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The group of each of `params` as a device tensor, built once per parameter list (a host-to-device
-        copy every due step would be a synchronisation)."""
+    def _group_index_of(
+        self, params: list[torch.Tensor], groups: list[tuple[list[int], list[torch.Tensor]]], device: torch.device
+    ) -> list[torch.Tensor]:
+        """For each device/dtype group, the module group of each of its parameters, as device tensors built
+        once per parameter list (a host-to-device copy every due step would be a synchronisation)."""
         key = tuple(map(id, params))
         found = self._index_of.get(key)
         if found is None:
-            slot, seen, index = len(self._names), set(), []
+            slot, seen, of_position = len(self._names), set(), []
             for param_id in key:
-                index.append(slot if param_id in seen else self._group_of[param_id])
+                of_position.append(slot if param_id in seen else self._group_of[param_id])
                 seen.add(param_id)
-            found = self._index_of[key] = torch.tensor(index, dtype=torch.long, device=device)
+            found = self._index_of[key] = [
+                torch.tensor([of_position[p] for p in positions], dtype=torch.long, device=device)
+                for positions, _ in groups
+            ]
         return found
 
     def _same_with_gradients(self, parameters: list[torch.Tensor]) -> bool:
