@@ -179,7 +179,9 @@ def _torch_gradient_norms(
         stacked.extend(norms)
         groups.append((positions, norms))
     first = grads[0].device
-    total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in stacked]), 2.0)
+    if len(groups) > 1 or stacked[0].device != first:  # .to() of a tensor already there returns it unchanged
+        stacked = [norm.to(first) for norm in stacked]
+    total = torch.linalg.vector_norm(torch.stack(stacked), 2.0)
     return groups, total
 
 
