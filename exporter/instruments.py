@@ -53,8 +53,17 @@ class Instruments:
         registry: CollectorRegistry,
         identity: RankIdentity,
         specs: Iterable[MetricSpec] | None = None,
+        extra: Iterable[MetricSpec] = (),
     ) -> None:
-        chosen = specs if specs is not None else (s for s in METRICS.values() if s.source != "probe")
+        """`specs`: which contract metrics (default: all but the scrape-time probes); `extra`: metrics of
+        the loop's own, declared as MetricSpec (same conventions, checked when each spec is built)."""
+        chosen = list(specs if specs is not None else (s for s in METRICS.values() if s.source != "probe"))
+        for spec in extra:
+            if not isinstance(spec, MetricSpec):
+                raise TypeError(f"extra metrics are MetricSpec declarations, got {type(spec).__name__}")
+            if spec.name in METRICS or any(spec.name == c.name for c in chosen):
+                raise ValueError(f"metric {spec.name!r} is declared twice (rankscope's contract already has it)")
+            chosen.append(spec)
         self._metrics = {spec.name: (spec, _build(spec, registry)) for spec in chosen}
         self._identity = identity.labels()
         self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
@@ -72,7 +81,10 @@ class Instruments:
         try:
             spec, parent = self._metrics[name]
         except KeyError:
-            raise KeyError(f"metric {name!r} is not in the contract (exporter.contract.METRICS)") from None
+            raise KeyError(
+                f"metric {name!r} is not in the contract (exporter.contract.METRICS) nor among this monitor's "
+                "extra_metrics"
+            ) from None
         if set(labels) != set(_child_labels(spec)):
             raise ValueError(f"{name} takes labels {list(_child_labels(spec))}, got {sorted(labels)}")
         with self._lock:

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from ._log import LogOnce
 from .comm import CommTimer, events_seconds
 from .config import MonitorConfig
-from .contract import PREFIX
+from .contract import PREFIX, MetricSpec
 from .deferred import DeferredValues
 from .guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
 from .identity import RankIdentity
@@ -89,12 +89,16 @@ class Monitor:
         device: torch.device | str | None = None,
         registry: CollectorRegistry | None = None,
         probes: Iterable[Probe] | None = None,
+        extra_metrics: Iterable[MetricSpec] = (),
     ) -> None:
+        """`extra_metrics`: metrics of the loop's own (`MetricSpec`s, checked against Prometheus's
+        conventions when declared), recorded with `set`/`inc`/`observe` by their full name, exposed
+        beside the contract's with the same identity labels."""
         self.config = config or MonitorConfig()
         self.identity = identity or RankIdentity.from_env()
         self.device = torch.device(device) if device is not None else _default_device(self.identity)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.instruments = Instruments(self.registry, self.identity)
+        self.instruments = Instruments(self.registry, self.identity, extra=extra_metrics)
         self.global_step = 0
         self._deferred = DeferredValues()
         self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
@@ -277,8 +281,9 @@ class Monitor:
         self.set("loss", value, split=split)
 
     def set(self, name: str, value: Value, **labels: str) -> None:
-        """Set a gauge from the contract (short or full name); tensors are resolved lazily."""
-        child = self.instruments.child(_full(name), **labels)
+        """Set a gauge (a contract metric by short or full name, or an extra metric by its name); tensors are
+        resolved lazily."""
+        child = self.instruments.child(self._full(name), **labels)
         self._deferred.add(value, lambda values: child.set(values[-1]))
 
     def set_each(
@@ -293,7 +298,7 @@ class Monitor:
         cache_key = (name, label, tuple(keys), tuple(labels.items()))
         children = self._children_of.get(cache_key)
         if children is None:
-            children = [self.instruments.child(_full(name), **labels, **{label: key}) for key in keys]
+            children = [self.instruments.child(self._full(name), **labels, **{label: key}) for key in keys]
             self._children_of[cache_key] = children
         if len(values) != len(children):
             raise ValueError(f"set_each({name!r}): {len(values)} values for {len(keys)} {label} keys")
@@ -309,18 +314,22 @@ class Monitor:
 
     def inc(self, name: str, amount: Value = 1, **labels: str) -> None:
         """Increase a counter from the contract."""
-        child = self.instruments.child(_full(name), **labels)
+        child = self.instruments.child(self._full(name), **labels)
         self._deferred.add(amount, lambda values: child.inc(sum(values)))
 
     def observe(self, name: str, value: Value, **labels: str) -> None:
         """Observe into a histogram; a tensor contributes every element."""
-        child = self.instruments.child(_full(name), **labels)
+        child = self.instruments.child(self._full(name), **labels)
         self._deferred.add(value, lambda values: observe_all(child, values))
 
     def flush(self) -> None:
         """Turn pending device values into numbers now (one transfer per device)."""
         self._deferred.flush()
         self._resolve_comm_events()
+
+    def _full(self, name: str) -> str:
+        """A contract metric's full name from its short one; an extra metric's name as it is."""
+        return name if name.startswith(PREFIX) or name in self.instruments else PREFIX + name
 
     def record_error(self, probe: str) -> None:
         """Count a failure inside monitoring (thread-safe)."""
@@ -477,5 +486,3 @@ def _scale_of(scaler: Any) -> Value:
     return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
 
 
-def _full(name: str) -> str:
-    return name if name.startswith(PREFIX) else PREFIX + name
