@@ -62,13 +62,10 @@ channel's heartbeat keeps its own collectives short.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,11 +77,10 @@ require("hf", "transformers", "accelerate")
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 from . import create_monitor  # noqa: E402
-from ._log import LogOnce  # noqa: E402
+from ._callbacks import CallbackParts, setup_hash  # noqa: E402
 from .config import MonitorConfig  # noqa: E402
 from .control import ControlChannel, ControlConfig, record_checkpoint  # noqa: E402
-from .monitor import Monitor, StepContext  # noqa: E402
-from .null import NullMonitor  # noqa: E402
+from .monitor import StepContext  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -117,12 +113,12 @@ HASHED_ARGUMENTS: tuple[str, ...] = (
     "world_size",
 )
 
-# The `probe` label of rankscope_monitor_errors_total for failures inside this callback.
-_PROBE = "hf_callback"
 
-
-class RankscopeCallback(TrainerCallback):
+class RankscopeCallback(CallbackParts, TrainerCallback):
     """Per-rank metrics (and, optionally, the control endpoint) for a `transformers.Trainer` run."""
+
+    _probe = "hf_callback"
+    _what = "Trainer callback"
 
     def __init__(self, metrics: MonitorConfig | None = None, control: ControlConfig | None = None) -> None:
         """`metrics`: the monitor's settings (model_name and config_hash are filled in from the run
@@ -134,10 +130,7 @@ class RankscopeCallback(TrainerCallback):
                 "optimizer itself (use the Trainer's logging_nan_inf_filter, or your own training loop)"
             )
         self.control = control
-        self.monitor: Monitor | NullMonitor | None = None
-        """Created at on_train_begin; serves /metrics until `close()` or the process ends."""
-        self.channel: ControlChannel | None = None
-        """The control channel while training runs (None without `control`)."""
+        self._init_parts()
         self._trainer: Any | None = None
         self._step_scope = ExitStack()
         self._step: StepContext | None = None
@@ -147,7 +140,6 @@ class RankscopeCallback(TrainerCallback):
         self._save_reason: str | None = None
         self._comm_attached: Any | None = None
         self._saved_step: int | None = None  # global step of the Trainer's latest save (on_save)
-        self._log = LogOnce()
 
     @classmethod
     def attach(
@@ -162,19 +154,6 @@ class RankscopeCallback(TrainerCallback):
         callback._trainer = trainer
         trainer.add_callback(callback)
         return callback
-
-    @property
-    def control_url(self) -> str | None:
-        """Base URL of the control endpoint (main process, while training runs)."""
-        return self.channel.url if self.channel is not None else None
-
-    def close(self) -> None:
-        """Stop serving metrics and control (the endpoints otherwise live until the process ends)."""
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-        if self.monitor is not None:
-            self.monitor.close()
 
     # --- Trainer events ------------------------------------------------------------------
 
@@ -191,7 +170,7 @@ class RankscopeCallback(TrainerCallback):
             self.monitor = create_monitor(config, device=args.device)
             self.monitor.start()
             # Error counters exist at 0 from the first scrape, so increase() sees the first failure.
-            for probe in (_PROBE, "comm_hook"):
+            for probe in (self._probe, "comm_hook"):
                 self.monitor.inc("monitor_errors_total", 0, probe=probe)
         if model is not None:
             self.monitor.watch(model, optimizer)
@@ -318,16 +297,6 @@ class RankscopeCallback(TrainerCallback):
             self.monitor.record_error("comm_hook")
             logger.warning("rankscope: comm time not measured: cannot register the DDP comm hook (%s)", exc)
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """Monitoring must never break training: a failure is counted and logged once, then training goes on."""
-        try:
-            yield
-        except Exception as exc:
-            if self.monitor is not None:
-                self.monitor.record_error(_PROBE)
-            self._log.warning(_PROBE, "rankscope: Trainer callback failed (training goes on): %r", exc)
-
 
 class _TrainerActions:
     """The channel's handler for one step boundary: actions become the Trainer's own flags.
@@ -381,5 +350,4 @@ def config_hash(args: TrainingArguments, model: Any = None) -> str:
     document: dict[str, Any] = {name: getattr(args, name, None) for name in HASHED_ARGUMENTS}
     if isinstance(model, torch.nn.Module):
         document["model"] = [type(model).__name__, sum(p.numel() for p in model.parameters())]
-    text = json.dumps(document, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return setup_hash(document)

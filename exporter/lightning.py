@@ -66,13 +66,11 @@ is in flight, while the channel's heartbeat keeps its own collectives short.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -87,18 +85,14 @@ except ImportError:  # the standalone package has the same API
         raise ImportError("exporter.lightning needs PyTorch Lightning: pip install 'rankscope[lightning]'") from None
 
 from . import create_monitor
-from ._log import LogOnce
+from ._callbacks import CallbackParts, setup_hash
 from .config import MonitorConfig
 from .control import ControlChannel, ControlConfig, record_checkpoint
-from .monitor import Monitor, StepContext
-from .null import NullMonitor
+from .monitor import StepContext
 
 __all__ = ["RankscopeCallback", "config_hash"]
 
 logger = logging.getLogger("rankscope")
-
-# The `probe` label of rankscope_monitor_errors_total for failures inside this callback.
-_PROBE = "lightning_callback"
 
 #: Trainer settings that change what the optimisation does; part of rankscope_run_info's config_hash.
 HASHED_SETTINGS: tuple[str, ...] = (
@@ -116,8 +110,11 @@ SampleCounter = Callable[[Batch], int]
 TokenCounter = Callable[[Batch], "int | torch.Tensor"]
 
 
-class RankscopeCallback(pl.Callback):
+class RankscopeCallback(CallbackParts, pl.Callback):
     """Per-rank metrics (and, optionally, the control endpoint) for a `lightning.Trainer` run."""
+
+    _probe = "lightning_callback"
+    _what = "Lightning callback"
 
     def __init__(
         self,
@@ -147,10 +144,7 @@ class RankscopeCallback(pl.Callback):
         self.count_samples = count_samples or _batch_size
         self.count_tokens = count_tokens
         self.val_loss_key = val_loss_key
-        self.monitor: Monitor | NullMonitor | None = None
-        """Created at on_train_start; serves /metrics until `close()` or the process ends."""
-        self.channel: ControlChannel | None = None
-        """The control channel while training runs (None without `control`)."""
+        self._init_parts()
         self._step_scope = ExitStack()
         self._step: StepContext | None = None
         self._loss: torch.Tensor | float | None = None
@@ -160,20 +154,6 @@ class RankscopeCallback(pl.Callback):
         self._boundary_step = 0
         self._mark: float | None = None
         self._comm_attached: Any | None = None
-        self._log = LogOnce()
-
-    @property
-    def control_url(self) -> str | None:
-        """Base URL of the control endpoint (global rank 0, while training runs)."""
-        return self.channel.url if self.channel is not None else None
-
-    def close(self) -> None:
-        """Stop serving metrics and control (the endpoints otherwise live until the process ends)."""
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
-        if self.monitor is not None:
-            self.monitor.close()
 
     def save_checkpoint(self, trainer: pl.Trainer, reason: str) -> str | None:
         """Write `<checkpoint_dir>/rankscope-step=<global_step>.ckpt` with Lightning's own
@@ -207,7 +187,7 @@ class RankscopeCallback(pl.Callback):
             self.monitor = create_monitor(config, device=trainer.strategy.root_device)
             self.monitor.start()
             # Error counters exist at 0 from the first scrape, so increase() sees the first failure.
-            for probe in (_PROBE, "comm_hook"):
+            for probe in (self._probe, "comm_hook"):
                 self.monitor.inc("monitor_errors_total", 0, probe=probe)
         with self._guard():
             self.monitor.watch(pl_module, optimizer)
@@ -351,16 +331,6 @@ class RankscopeCallback(pl.Callback):
         dirpath = getattr(callback, "dirpath", None)
         return str(dirpath) if dirpath else os.path.join(str(trainer.default_root_dir), "checkpoints")
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """Monitoring must never break training: a failure is counted and logged once, then training goes on."""
-        try:
-            yield
-        except Exception as exc:
-            if self.monitor is not None:
-                self.monitor.record_error(_PROBE)
-            self._log.warning(_PROBE, "rankscope: Lightning callback failed (training goes on): %r", exc)
-
 
 class _LightningActions:
     """The channel's handler for one step boundary, carried out with Lightning's own mechanisms.
@@ -443,8 +413,7 @@ def config_hash(trainer: pl.Trainer, pl_module: torch.nn.Module | None = None) -
     if trainer.optimizers:
         optimizer = trainer.optimizers[0]
         document["optimizer"] = [type(optimizer).__name__, dict(optimizer.defaults)]
-    text = json.dumps(_plain(document), sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return setup_hash(_plain(document))
 
 
 def _plain(value: Any) -> Any:
