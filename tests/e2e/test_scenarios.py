@@ -42,6 +42,9 @@ GIB = 1024**3
 MEMORY_MARGIN = GIB
 #: Latency that fails a scenario: well above the 5 s target, so a loaded CI machine does not flake.
 LATENCY_LIMIT_SECONDS = 20.0
+#: Scenarios that wait on events run until the test stops them: on a loaded machine a fixed number of steps
+#: can end before the alert fires (or the loss recovers).
+UNTIL_STOPPED = 100_000
 
 
 def _action_alerts_fired(stack: Stack) -> list[str]:
@@ -84,7 +87,7 @@ def test_a_diverging_loss_gets_the_learning_rate_reduced_once_on_both_ranks_and_
             f"faults.diverge.lr_factor={DIVERGE_FACTOR}",
             f"control.lr_factor={REDUCE_FACTOR}",
         ],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     st.wait_for_firing("RankscopeLossDiverging", timeout=180)
     (applied,) = st.wait(lambda: st.settled("reduce_lr"), "reduce_lr to be applied", timeout=30)
@@ -170,7 +173,7 @@ def test_host_memory_pressure_gets_a_checkpoint_written_for_the_alert_that_loads
             "faults.memory_balloon.rank=1",
             f"faults.memory_balloon.bytes={balloon}",
         ],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     st.wait_for_step(21)  # after the first validation: the trainer's own memory is all there
     threshold = st.calibrate_host_memory(MEMORY_MARGIN)
@@ -200,7 +203,7 @@ def test_host_memory_pressure_gets_a_checkpoint_written_for_the_alert_that_loads
 def test_a_straggler_is_named_in_the_imbalance_alert_and_paged_and_nothing_acts(stack) -> None:
     st = stack("straggler")
     st.start_trainer(["faults.straggler.at_step=31", "faults.straggler.rank=1", "faults.straggler.seconds=0.5"],
-                     max_steps=600)  # fmt: skip
+                     max_steps=UNTIL_STOPPED)  # fmt: skip
     st.wait_for_firing("RankscopeRankImbalance", timeout=120)
     named = {a["labels"]["rank"] for a in st.alerts("RankscopeRankImbalance")}
     assert named == {"1"}, named
@@ -224,7 +227,7 @@ def test_non_finite_losses_are_skipped_on_every_rank_alike_counted_and_alerted(s
     st = stack("nonfinite")
     job = st.start_trainer(
         [f"faults.nonfinite.at_step={NAN_AT}", f"faults.nonfinite.steps={NAN_STEPS}", "faults.nonfinite.rank=0"],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     # The demo's commentary watches this run as it would `make demo`'s.
     said: list[str] = []
@@ -306,7 +309,7 @@ def slow_loader(module_stack) -> Stack:
     st = module_stack("slowdata")
     st.start_trainer(
         [f"faults.slow_data.at_step={SLOW_DATA_AT}", "faults.slow_data.rank=0", "faults.slow_data.seconds=0.6"],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     st.wait_for_firing("RankscopeDataLoaderBottleneck", timeout=120, rank="0")
     st.wait_for_step(st.status()["step"] + WATCHED_STEPS)
