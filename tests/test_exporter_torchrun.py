@@ -10,9 +10,13 @@ from tests.support import fetch, sample_value, samples, stop_process, tail, torc
 pytestmark = pytest.mark.integration
 
 
+#: Rank 1's extra time per step: large against the noise of a loaded machine (issue 13 saw 30 ms drown).
+SLOW_SECONDS = 0.1
+
+
 @pytest.fixture(scope="module")
 def straggler_job(tmp_path_factory):
-    """Rank 1 sleeps 30 ms inside each step; both ranks serve /metrics when done."""
+    """Rank 1 sleeps SLOW_SECONDS inside each step; both ranks serve /metrics when done."""
     from tests.support import free_port, free_port_block
 
     out = tmp_path_factory.mktemp("exporter_job")
@@ -31,7 +35,7 @@ def straggler_job(tmp_path_factory):
             "--slow-rank",
             "1",
             "--slow-seconds",
-            "0.03",
+            str(SLOW_SECONDS),
         ],
         master_port=free_port(),
         log=log,
@@ -77,8 +81,9 @@ def test_the_straggler_shows_in_its_compute_time_and_in_the_fast_rank_comm_time(
     compute = {r: sample_value(samples(p), "rankscope_compute_duration_seconds_sum") for r, p in pages.items()}
     comm = {r: sample_value(samples(p), "rankscope_comm_duration_seconds_sum") for r, p in pages.items()}
     step = {r: sample_value(samples(p), "rankscope_step_duration_seconds_sum") for r, p in pages.items()}
-    assert compute[1] > compute[0] + 40 * 0.02, (compute, comm)
-    assert comm[0] > comm[1] + 40 * 0.02, (compute, comm)
+    # Margins of half the sleep per step: scheduling noise on a loaded 2-core machine stays well under them.
+    assert compute[1] > compute[0] + 40 * SLOW_SECONDS / 2, (compute, comm)
+    assert comm[0] > comm[1] + 40 * SLOW_SECONDS / 2, (compute, comm)
     # Step wall time is the same on both ranks (the all-reduce synchronises them): it does not name the straggler.
     assert abs(step[0] - step[1]) < 0.25 * max(step.values()), step
 
