@@ -1,51 +1,93 @@
-"""Benchmark 4: how Prometheus's cost grows with the number of ranks, in simulation.
+"""Benchmark 4: what Prometheus (or VictoriaMetrics) pays per rank, up to 16,384 simulated ranks.
 
-    .venv/bin/python -m benchmarks.scale                        # 8, 64 and 256 ranks, 45 s each, ~4 min
-    .venv/bin/python -m benchmarks.scale --quick                # 64 and 256 ranks, 30 s each, ~1.5 min
-    .venv/bin/python -m benchmarks.scale --ranks 512 --duration 120
+    .venv/bin/python -m benchmarks.scale                                # 512 and 4096 ranks, Prometheus, ~4 min
+    .venv/bin/python -m benchmarks.scale --baseline 81ac88b             # + that revision's page and rules, side by side
+    .venv/bin/python -m benchmarks.scale --ranks 16384 --duration 60    # where a Llama-3-sized job stands
+    .venv/bin/python -m benchmarks.scale --engine victoriametrics --ranks 4096
 
 First one real rank's page is captured: the exporter, set up as
 trainer/configs/demo.yaml sets it up, after training the reference model for
-a while (module norms, multimodal statistics and all). Then, for each rank
-count, one `benchmarks.fakeranks` process serves that page on N ports as N
-ranks of one run (8 per node) with live-looking values, and a Prometheus with
-the shipped config and the shipped recording and alert rules (derived as the
-stack launcher derives it: one scrape target per rank, 5 s scrape and
-evaluation) scrapes them all for `--duration` seconds. Printed per rank count,
-from Prometheus's own metrics: head series, resident memory
-(`process_resident_memory_bytes`), CPU, the duration of each rule group's
-evaluation (`prometheus_rule_group_last_duration_seconds`, median and max
-over the window) and missed evaluations. A fresh TSDB each time; the memory
-is after `--duration` seconds, not a steady state (Prometheus keeps two hours
-of samples in memory before it compacts them to disk, so it grows further).
+a while (module norms, multimodal statistics and all), fetched from its
+/metrics endpoint as Prometheus would. Then, for each rank count, one
+`benchmarks.fakeranks` process serves that page as N ranks of one run (8 per
+node, `--ranks-per-page` ranks to a scrape target, which `honor_labels`
+keeps apart: see benchmarks/fakeranks.py for why), and the engine scrapes
+them for `--duration` seconds with the shipped scrape config and the shipped
+recording and alert rules, every 5 s:
+
+- ``prometheus``: one Prometheus, as the stack launcher derives its config.
+  Read from its own metrics: head series, resident memory, CPU, each rule
+  group's evaluation time (`prometheus_rule_group_last_duration_seconds`,
+  median and max over the window) and missed evaluations.
+- ``victoriametrics``: vmagent -> victoria-metrics <- vmalert with the same
+  scrape jobs and rule files (trainer/vmstack.py). Memory and CPU of the
+  three processes; rule time from vmalert's `vmalert_iteration_duration_seconds`
+  (median and max since start) and `vmalert_iteration_missed_total`.
+
+`--baseline REV` also measures revision REV's page and rule files (taken with
+`git archive`, its page captured by its own code) at each rank count up to
+`--baseline-max-ranks`, in the same invocation, and prints the ratios. A
+fresh store each time; memory is after `--duration` seconds, not a steady
+state (Prometheus keeps two hours of samples in memory before it compacts
+them, so it grows further; rules over long windows, such as the rank-down
+alert's 30 minutes, also see only `--duration` seconds of data here).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import torch
-from prometheus_client import generate_latest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from trainer.processes import Child, Children
+from trainer.vmstack import VictoriaPorts, VictoriaStack
 
-from .localstack import MonitoringStack, local_ports, shipped_interval
+from .fakeranks import pages_needed
+from .localstack import REPO, MonitoringStack, free_port, local_ports, prometheus_config, shipped_interval
 from .scrape import page_stats
 from .timing import machine_line
-from .workload import Workload, ensure_process_group, variants
 
-__all__ = ["capture_page", "main"]
+__all__ = ["Setup", "capture_page", "main"]
+
+ENGINES = ("prometheus", "victoriametrics")
+RULES_DIR = REPO / "prometheus" / "rules"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is measured: one rank's page (and the seconds of training its counters hold) and the rule files."""
+
+    name: str
+    page: Path
+    age: float
+    rules: list[Path]
+
+    @property
+    def series_per_rank(self) -> int:
+        return page_stats(self.page.read_bytes())[1]
 
 
 def capture_page(steps: int = 50) -> tuple[bytes, float]:
-    """One rank's /metrics page after `steps` steps of the reference model, monitored as demo.yaml does,
-    and the seconds those steps took (so a replay can grow the counters at the same rate)."""
+    """One rank's /metrics page as its endpoint serves it, after `steps` steps of the reference model monitored
+    as demo.yaml does, and the seconds those steps took (so a replay grows the counters at the same rate)."""
+    import torch  # here: the simulator's and the engines' side of this module need no torch
+
+    from .workload import Workload, ensure_process_group, variants
+
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)
     ensure_process_group()
@@ -53,136 +95,332 @@ def capture_page(steps: int = 50) -> tuple[bytes, float]:
     try:
         run = variant.prepare(Workload.build(steps))
         seconds = run.train()
-        assert run.monitor is not None
-        return generate_latest(run.monitor.registry), seconds
+        assert run.monitor is not None and run.monitor.port is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{run.monitor.port}/metrics", timeout=10) as answer:
+            return answer.read(), seconds
     finally:
         variant.close()
 
 
-def _wait_ready(children: Children, child: Child, deadline_s: float) -> None:
-    """Until the fake ranks' log says `ready` (it listens on every port)."""
-    deadline = time.monotonic() + deadline_s
+_CAPTURE = """
+import sys
+from benchmarks.scale import capture_page
+page, age = capture_page()
+open(sys.argv[1], "wb").write(page)
+print(age)
+"""
+
+
+def baseline_setup(revision: str, workdir: Path) -> Setup:
+    """Revision `revision`'s page (captured by that revision's own code) and rule files."""
+    tree = workdir / "tree"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", revision], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"scale: git archive {revision} failed: {archive.stderr.decode().strip()}")
+    archive_path = workdir / "tree.tar"
+    archive_path.write_bytes(archive.stdout)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(tree, filter="data")
+    page = workdir / "page.txt"
+    env = {**os.environ, "PYTHONPATH": str(tree), "RANKSCOPE_LOG_LEVEL": "off"}
+    captured = subprocess.run(
+        [sys.executable, "-c", _CAPTURE, str(page)], cwd=tree, env=env, capture_output=True, text=True, timeout=600
+    )
+    if captured.returncode != 0:
+        raise SystemExit(f"scale: capturing {revision}'s page failed:\n{captured.stderr[-3000:]}")
+    age = float(captured.stdout.strip().splitlines()[-1])
+    return Setup(f"{revision[:10]}", page, age, sorted((tree / "prometheus" / "rules").glob("*.yml")))
+
+
+def _start_fakeranks(children: Children, setup: Setup, ranks: int, per_page: int, base_port: int,
+                     workdir: Path) -> Child:  # fmt: skip
+    fake = children.start(
+        "fakeranks",
+        [sys.executable, "-m", "benchmarks.fakeranks", "--template", str(setup.page), "--ranks", str(ranks),
+         "--ranks-per-page", str(per_page), "--base-port", str(base_port), "--age", f"{setup.age:.3f}"],
+        log_path=workdir / "fakeranks.log",
+        cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if child.popen.poll() is not None:
-            raise RuntimeError(f"fake ranks exited with {child.popen.returncode}:\n{child.log_tail()}")
-        if "ready" in child.log_tail(5):
-            return
-        time.sleep(0.1)  # polling a log file for a readiness line
-    raise RuntimeError(f"fake ranks not ready after {deadline_s:.0f}s:\n{child.log_tail()}")
+        if fake.popen.poll() is not None:
+            raise RuntimeError(f"fake ranks exited with {fake.popen.returncode}:\n{fake.log_tail()}")
+        if "ready" in fake.log_tail(5):
+            return fake
+        time.sleep(0.2)  # polling a log file for a readiness line
+    raise RuntimeError(f"fake ranks not ready after 120 s:\n{fake.log_tail()}")
 
 
-def _poll(stack: MonitoringStack, expr: str, want: float, deadline_s: float, what: str) -> None:
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def _instant(url: str, expr: str) -> list[dict]:
+    body = _get_json(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
+    if body.get("status") != "success":
+        raise RuntimeError(f"query {expr!r} failed: {body}")
+    return body["data"]["result"]
+
+
+def _value(url: str, expr: str) -> float | None:
+    result = _instant(url, expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+def _wait_value(url: str, expr: str, want: float, deadline_s: float, what: str, fake: Child) -> None:
     deadline = time.monotonic() + deadline_s
     last = None
     while time.monotonic() < deadline:
-        last = stack.value(expr)
-        if last is not None and last >= want:
+        if fake.popen.poll() is not None:
+            raise RuntimeError(f"fake ranks exited:\n{fake.log_tail()}")
+        try:
+            last = _value(url, expr)
+        except OSError as exc:  # not answering yet
+            last = repr(exc)
+        if isinstance(last, float) and last >= want:
             return
-        time.sleep(0.5)  # polling Prometheus's API
-    raise RuntimeError(f"{what}: {expr} = {last} after {deadline_s:.0f}s, wanted {want}\n{stack.log_tails()}")
+        time.sleep(1.0)  # polling a query API
+    raise RuntimeError(f"{what}: {expr} = {last} after {deadline_s:.0f}s, wanted {want}")
 
 
-def measure(ranks: int, template: Path, age: float, workdir: Path, duration: float) -> dict[str, object]:
-    """Serve `ranks` simulated ranks, let Prometheus scrape them for `duration` s, read its own metrics."""
+def _hold(fake: Child, seconds: float, rules_url: str) -> dict[str, float]:
+    """The measurement window itself (fails early if the simulator dies); returns each rule's mean evaluation
+    time over the window, from the rules API read every 5 s (it reports each rule's latest evaluation)."""
+    deadline = time.monotonic() + seconds
+    seen: dict[str, list[float]] = {}
+    next_read = time.monotonic()
+    while time.monotonic() < deadline:
+        if fake.popen.poll() is not None:
+            raise RuntimeError(f"fake ranks exited during the measurement:\n{fake.log_tail()}")
+        if time.monotonic() >= next_read:
+            for rule, took in _rule_times(rules_url).items():
+                seen.setdefault(rule, []).append(took)
+            next_read += 5.0
+        time.sleep(1.0)
+    return {rule: sum(times) / len(times) for rule, times in seen.items()}
+
+
+def _rule_times(url: str) -> dict[str, float]:
+    """Rule name -> seconds its last evaluation took (the rules API of Prometheus and of vmalert)."""
+    groups = _get_json(f"{url}/api/v1/rules")["data"]["groups"]
+    return {rule["name"]: float(rule.get("evaluationTime", 0.0)) for group in groups for rule in group["rules"]}
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def measure_prometheus(setup: Setup, ranks: int, per_page: int, workdir: Path, duration: float) -> dict:
+    """Prometheus with the shipped config and `setup`'s rules scraping `ranks` simulated ranks."""
     children = Children()
-    ports = local_ports(ranks)
+    pages = pages_needed(ranks, per_page)
+    ports = local_ports(pages)
     workdir.mkdir(parents=True, exist_ok=True)
-    fake = children.start(
-        "fakeranks",
-        [sys.executable, "-m", "benchmarks.fakeranks", "--template", str(template),
-         "--ranks", str(ranks), "--base-port", str(ports.metrics), "--age", f"{age:.3f}"],
-        log_path=workdir / "fakeranks.log",
-    )  # fmt: skip
-    stack = MonitoringStack(workdir / "stack", ports, ranks, alertmanager=False)
+    stack = MonitoringStack(workdir / "stack", ports, pages, alertmanager=False, rule_files=setup.rules)
     try:
-        _wait_ready(children, fake, 60)
+        fake = _start_fakeranks(children, setup, ranks, per_page, ports.metrics, workdir)
         stack.start()
-        _poll(stack, 'count(up{job="rankscope"} == 1)', ranks, 60, "every rank scraped")
+        url = stack.prometheus_url
+        _wait_value(url, "count(rankscope_run_info)", ranks, 300, "every simulated rank stored", fake)
+        fake_cpu = _cpu_seconds(fake.pid)
         started = time.monotonic()
-        window = f"{int(duration)}s"
-        while time.monotonic() - started < duration:
-            if fake.popen.poll() is not None:
-                raise RuntimeError(f"fake ranks exited during the measurement:\n{fake.log_tail()}")
-            time.sleep(1.0)  # the measurement window itself
-        fake_cpu = psutil.Process(fake.pid).cpu_times()
-        groups = {
-            r["metric"]["rule_group"].rsplit(";", 1)[-1]: r["value"][1]
-            for r in stack.query(f"max_over_time(prometheus_rule_group_last_duration_seconds[{window}])")
-        }
-        medians = {
-            r["metric"]["rule_group"].rsplit(";", 1)[-1]: r["value"][1]
-            for r in stack.query(f"quantile_over_time(0.5, prometheus_rule_group_last_duration_seconds[{window}])")
-        }
+        rule_times = _hold(fake, duration, url)
+        window = f"{int(time.monotonic() - started)}s"
+        fake_cores = (_cpu_seconds(fake.pid) - fake_cpu) / (time.monotonic() - started)
+
+        def per_group(expr: str) -> dict[str, float]:
+            return {r["metric"]["rule_group"].rsplit(";", 1)[-1]: float(r["value"][1]) for r in _instant(url, expr)}
+
         return {
-            "ranks": ranks,
-            "up": stack.value('count(up{job="rankscope"} == 1)'),
-            "head_series": stack.value("prometheus_tsdb_head_series"),
-            "scraped_per_cycle": stack.value('sum(scrape_samples_scraped{job="rankscope"})'),
-            "rss_bytes": stack.value('process_resident_memory_bytes{job="prometheus"}'),
-            "heap_bytes": stack.value('go_memstats_heap_inuse_bytes{job="prometheus"}'),
-            "cpu_cores": stack.value(f'rate(process_cpu_seconds_total{{job="prometheus"}}[{window}])'),
-            "scrape_seconds": stack.value(f'avg(avg_over_time(scrape_duration_seconds{{job="rankscope"}}[{window}]))'),
-            "rule_max": {name: float(value) for name, value in groups.items()},
-            "rule_median": {name: float(value) for name, value in medians.items()},
-            "missed": stack.value("sum(prometheus_rule_group_iterations_missed_total)") or 0.0,
-            "fake_cpu_seconds": fake_cpu.user + fake_cpu.system,
+            "head_series": _value(url, "prometheus_tsdb_head_series"),
+            "rss_bytes": _value(url, 'process_resident_memory_bytes{job="prometheus"}'),
+            "cpu_cores": _value(url, f'rate(process_cpu_seconds_total{{job="prometheus"}}[{window}])'),
+            "rule_max": per_group(f"max_over_time(prometheus_rule_group_last_duration_seconds[{window}])"),
+            "rule_median": per_group(f"quantile_over_time(0.5, prometheus_rule_group_last_duration_seconds[{window}])"),
+            "evaluations": _value(url, f"min(increase(prometheus_rule_group_iterations_total[{window}]))") or 0.0,
+            "missed": _value(url, "sum(prometheus_rule_group_iterations_missed_total)") or 0.0,
+            "sim_cores": fake_cores,
+            "rule_times": rule_times,
         }
     finally:
         stack.close()
         children.stop_all({})
 
 
-def _report(results: list[dict], series_per_rank: int) -> None:
-    print(f"\n{'ranks':>6} {'series/rank x ranks':>20} {'head series':>12} {'RSS':>9} {'heap':>9} {'CPU':>6} "
-          f"{'scrape':>8} {'recording rules':>18} {'alert rules':>18} {'missed':>6} {'sim CPU':>8}")  # fmt: skip
-    for r in results:
-        rules = {
-            name: f"{r['rule_median'].get(name, 0) * 1e3:.1f}/{r['rule_max'].get(name, 0) * 1e3:.1f} ms"
-            for name in ("rankscope.recording", "rankscope.alerts")
+def _own_metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a server's own /metrics page."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    raise RuntimeError(f"{url}/metrics has no {name} {labels}")
+
+
+def _vmalert_metrics(url: str) -> dict[tuple[str, str, str], float]:
+    """(name, group, quantile) -> value of vmalert's own metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("group", ""), sample.labels.get("quantile", ""))
+            found[key] = sample.value
+    return found
+
+
+def measure_victoria(setup: Setup, ranks: int, per_page: int, workdir: Path, duration: float) -> dict:
+    """vmagent + VictoriaMetrics + vmalert with the shipped scrape jobs and `setup`'s rules."""
+    children = Children()
+    pages = pages_needed(ranks, per_page)
+    ports = local_ports(pages)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = prometheus_config(ports, pages, rule_files=setup.rules, alerting=False)
+    vports = VictoriaPorts(storage=ports.prometheus, vmagent=ports.alertmanager, vmalert=ports.control)
+    # Nothing listens there: no alert fires on a healthy simulated run, and none is needed for the measurement.
+    stack = VictoriaStack(children, workdir / "stack", config, setup.rules, vports,
+                          alertmanager_url=f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    try:
+        fake = _start_fakeranks(children, setup, ranks, per_page, ports.metrics, workdir)
+        stack.start()
+        url = stack.query_url
+        _wait_value(url, "count(rankscope_run_info)", ranks, 300, "every simulated rank stored", fake)
+        processes = {child.name: child.pid for child in children if child.name != "fakeranks"}
+        before = {name: _cpu_seconds(pid) for name, pid in processes.items()} | {"sim": _cpu_seconds(fake.pid)}
+        started = time.monotonic()
+        rule_times = _hold(fake, duration, stack.rules_url)
+        elapsed = time.monotonic() - started
+        rss = {name: psutil.Process(pid).memory_info().rss for name, pid in processes.items()}
+        cores = {name: (_cpu_seconds(pid) - before[name]) / elapsed for name, pid in processes.items()}
+        vm = _vmalert_metrics(stack.rules_url)
+        groups = {group for (name, group, _) in vm if name == "vmalert_iteration_total"}
+        return {
+            # Series with samples in the current hour (VictoriaMetrics' own count; a query counting every
+            # series would exceed its -search.maxUniqueTimeseries).
+            "head_series": _own_metric(url, "vm_cache_entries", type="storage/hour_metric_ids"),
+            "rss_bytes": sum(rss.values()),
+            "rss_parts": rss,
+            "cpu_cores": sum(cores.values()),
+            "rule_max": {g: vm[("vmalert_iteration_duration_seconds", g, "1")] for g in groups},
+            "rule_median": {g: vm[("vmalert_iteration_duration_seconds", g, "0.5")] for g in groups},
+            "evaluations": min(vm[("vmalert_iteration_total", g, "")] for g in groups),
+            "missed": sum(vm.get(("vmalert_iteration_missed_total", g, ""), 0.0) for g in groups),
+            "sim_cores": (_cpu_seconds(fake.pid) - before["sim"]) / elapsed,
+            "rule_times": rule_times,
         }
-        print(f"{r['ranks']:>6} {series_per_rank * r['ranks']:>20} {r['head_series']:>12.0f} "
-              f"{r['rss_bytes'] / 2**20:>6.0f} MiB {r['heap_bytes'] / 2**20:>5.0f} MiB {r['cpu_cores']:>6.2f} "
-              f"{r['scrape_seconds'] * 1e3:>5.1f} ms {rules['rankscope.recording']:>18} "
-              f"{rules['rankscope.alerts']:>18} {r['missed']:>6.0f} {r['fake_cpu_seconds']:>6.1f} s")  # fmt: skip
-    if len(results) >= 2:
-        low, high = results[0], results[-1]
-        per_series = (high["rss_bytes"] - low["rss_bytes"]) / max(1.0, high["head_series"] - low["head_series"])
-        print(f"\nmarginal resident memory: {per_series / 1024:.1f} KiB per head series "
-              f"({low['ranks']} -> {high['ranks']} ranks)")  # fmt: skip
-    print("rule columns: median/max evaluation time over the window; CPU: Prometheus's cores in use (rate); "
-          "sim CPU: what the simulated ranks used in all")  # fmt: skip
+    finally:
+        children.stop_all({})
+
+
+MEASURE = {"prometheus": measure_prometheus, "victoriametrics": measure_victoria}
+GROUPS = ("rankscope.recording", "rankscope.alerts")
+
+
+def _report(results: list[dict], top: int = 6) -> None:
+    print(f"\n{'engine':<16} {'setup':<11} {'ranks':>6} {'series/rank':>11} {'stored series':>13} "
+          f"{'memory':>9} {'per rank':>9} {'CPU':>5} {'recording rules':>16} {'alert rules':>14} "
+          f"{'evals':>5} {'missed':>6} {'sim CPU':>7}")  # fmt: skip
+    for r in results:
+        rules = {g: f"{r['rule_median'].get(g, 0) * 1e3:.0f}/{r['rule_max'].get(g, 0) * 1e3:.0f} ms" for g in GROUPS}
+        print(f"{r['engine']:<16} {r['setup']:<11} {r['ranks']:>6} {r['series_per_rank']:>11} "
+              f"{r['head_series']:>13.0f} {r['rss_bytes'] / 2**20:>5.0f} MiB "
+              f"{r['rss_bytes'] / r['ranks'] / 2**20:>5.2f} MiB {r['cpu_cores']:>5.2f} "
+              f"{rules['rankscope.recording']:>16} {rules['rankscope.alerts']:>14} {r['evaluations']:>5.0f} "
+              f"{r['missed']:>6.0f} {r['sim_cores']:>7.2f}")  # fmt: skip
+        if "rss_parts" in r:
+            parts = ", ".join(f"{name} {rss / 2**20:.0f} MiB" for name, rss in r["rss_parts"].items())
+            print(f"{'':<16} memory: {parts}")
+    for r in results:
+        slowest = sorted(r["rule_times"].items(), key=lambda item: -item[1])[:top]
+        if slowest:
+            rules = ", ".join(f"{name} {seconds * 1e3:.0f}" for name, seconds in slowest)
+            print(f"slowest rules (ms, mean over the window), {r['engine']}, {r['setup']}, {r['ranks']} ranks: {rules}")
+    print("rules: median/max evaluation time of each group over the window; memory: resident (all processes of")
+    print("the engine), per rank = memory / ranks; CPU and sim CPU: cores used by the engine and by the simulator")
+
+
+def _ratios(results: list[dict], baseline: str) -> None:
+    """New/old for every (engine, ranks) measured with both setups."""
+    print(f"\nratios to {baseline} (same engine, same rank count)")
+    print(f"{'engine':<16} {'ranks':>6} {'series/rank':>11} {'memory':>7} {'recording':>9} {'alerts':>7} "
+          f"{'rules total':>11}")  # fmt: skip
+    for new in results:
+        old = next((r for r in results if r["setup"] == baseline and (r["engine"], r["ranks"]) ==
+                    (new["engine"], new["ranks"])), None)  # fmt: skip
+        if new["setup"] == baseline or old is None:
+            continue
+        rules = [new["rule_median"].get(g, 0) / max(1e-9, old["rule_median"].get(g, 0)) for g in GROUPS]
+        total = sum(new["rule_median"].get(g, 0) for g in GROUPS) / max(
+            1e-9, sum(old["rule_median"].get(g, 0) for g in GROUPS)
+        )
+        print(
+            f"{new['engine']:<16} {new['ranks']:>6} {new['series_per_rank'] / old['series_per_rank']:>11.2f} "
+            f"{new['rss_bytes'] / old['rss_bytes']:>7.2f} {rules[0]:>9.3f} {rules[1]:>7.3f} {total:>11.3f}"
+        )
+    print("rule ratios: of the median evaluation time; below 1 is faster or smaller than the baseline")
+
+
+def _rule_count(paths: list[Path]) -> int:
+    return sum(len(group.get("rules", [])) for path in paths for group in yaml.safe_load(path.read_text())["groups"])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256], help="rank counts to simulate")
-    parser.add_argument("--duration", type=float, default=45.0, help="seconds Prometheus scrapes each rank count")
-    parser.add_argument("--quick", action="store_true", help="64 and 256 ranks, 30 s each")
-    parser.add_argument("--keep", type=Path, default=None, help="keep the template page, configs and logs here")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[512, 4096], help="rank counts to simulate")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds the engine scrapes each rank count")
+    parser.add_argument("--engine", choices=ENGINES, nargs="+", default=["prometheus"])
+    parser.add_argument("--ranks-per-page", type=int, default=64, help="simulated ranks per scrape target")
+    parser.add_argument("--baseline", metavar="REV", help="also measure this git revision's page and rules")
+    parser.add_argument("--baseline-max-ranks", type=int, default=4096, help="largest rank count for --baseline")
+    parser.add_argument("--quick", action="store_true", help="4096 ranks only, 30 s")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the pages, configs and logs here")
     args = parser.parse_args(argv)
-    ranks, duration = ([64, 256], 30.0) if args.quick else (sorted(args.ranks), args.duration)
-    if min(ranks) < 1 or duration < 15:
-        parser.error("--ranks must be >= 1 and --duration >= 15 (three scrape intervals)")
+    ranks, duration = ([4096], 30.0) if args.quick else (sorted(args.ranks), args.duration)
+    if min(ranks) < 1 or duration < 15 or args.ranks_per_page < 1:
+        parser.error("--ranks and --ranks-per-page must be >= 1 and --duration >= 15 (three scrape intervals)")
     scrape, evaluation = shipped_interval()
     print(machine_line())
-    page, age = capture_page()
-    size, series_per_rank = page_stats(page)
-    print(f"one rank's page (demo.yaml's monitor after 50 steps): {size} bytes, {series_per_rank} series")
-    print(f"Prometheus: shipped config and rules, scrape every {scrape}, evaluate every {evaluation}, "
-          f"{duration:.0f} s per rank count")  # fmt: skip
     results = []
     with tempfile.TemporaryDirectory(prefix="rankscope-scale-") as tmp:
         workdir = args.keep.resolve() if args.keep else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        template = workdir / "template.txt"
-        template.write_bytes(page)
+        page, age = capture_page()
+        (workdir / "page.txt").write_bytes(page)
+        setups = [Setup("this tree", workdir / "page.txt", age, sorted(RULES_DIR.glob("*.yml")))]
+        if args.baseline:
+            print(f"capturing revision {args.baseline}'s page ...", flush=True)
+            setups.insert(0, baseline_setup(args.baseline, workdir / "baseline"))
+        for setup in setups:
+            print(f"{setup.name}: one rank's page (demo.yaml's monitor after 50 steps) has {setup.series_per_rank} "
+                  f"series; {_rule_count(setup.rules)} rules")  # fmt: skip
+        print(f"scrape every {scrape}, evaluate every {evaluation}, {duration:.0f} s per measurement, "
+              f"{args.ranks_per_page} simulated ranks per scrape target")  # fmt: skip
         for count in ranks:
-            print(f"  {count} ranks ...", flush=True)
-            results.append(measure(count, template, age, workdir / f"ranks-{count}", duration))
-    _report(results, series_per_rank)
+            for engine in args.engine:
+                for setup in setups:
+                    if setup.name != "this tree" and count > args.baseline_max_ranks:
+                        continue
+                    print(f"  {engine}, {setup.name}, {count} ranks ...", flush=True)
+                    where = workdir / f"{engine}-{setup.name.replace(' ', '-')}-{count}"
+                    found = MEASURE[engine](setup, count, args.ranks_per_page, where, duration)
+                    found |= {"engine": engine, "setup": setup.name, "ranks": count,
+                              "series_per_rank": setup.series_per_rank}  # fmt: skip
+                    results.append(found)
+                    interval = float(evaluation.rstrip("s"))
+                    total = sum(found["rule_median"].get(g, 0) for g in GROUPS)
+                    print(
+                        f"    rules {total:.3f} s per evaluation (median, both groups) of the {interval:g} s "
+                        f"interval, {found['missed']:.0f} missed, {found['rss_bytes'] / 2**20:.0f} MiB",
+                        flush=True,
+                    )
+    _report(results)
+    if args.baseline:
+        _ratios(results, setups[0].name)
     print(machine_line())
-    if any(r["up"] != r["ranks"] for r in results):
-        print("warning: not every simulated rank was up at the end; see the logs (--keep DIR)")
 
 
 if __name__ == "__main__":

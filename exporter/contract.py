@@ -25,6 +25,7 @@ Which signal shows what (under DDP):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,6 +36,7 @@ __all__ = [
     "MetricSpec",
     "PREFIX",
     "STEP_TIME_BUCKETS",
+    "UNIT_SUFFIXES",
     "metric",
 ]
 
@@ -44,22 +46,19 @@ PREFIX = "rankscope_"
 IDENTITY_LABELS: tuple[str, ...] = ("run_id", "rank", "local_rank", "node")
 
 # fmt: off
-#: Step-scale durations: 1 ms to 5 min. 0.1 s is a boundary on purpose (the
-#: data-loader alert compares p90 data wait against 100 ms).
-STEP_TIME_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0,
-    30.0, 60.0, 120.0, 300.0,
-)
-#: Data waits are usually far below a step; finer at the low end.
-DATA_WAIT_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0, 60.0,
-)
-CHECKPOINT_BUCKETS: tuple[float, ...] = (
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)
-TEXT_LENGTH_BUCKETS: tuple[float, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
-IMAGE_SIDE_BUCKETS: tuple[float, ...] = (16, 32, 48, 64, 96, 128, 192, 224, 256, 384, 512, 1024, 2048, 4096)
+# Buckets are few on purpose: every bucket is a series per rank, and at thousands of ranks the
+# buckets are most of what Prometheus stores and the rules read (benchmarks/README.md, benchmark 4).
+# Means and shares come exactly from _sum/_count; buckets give distributions and tail quantiles.
+#: Step-scale durations (steps and their compute time), 30 ms to a minute in half-decades.
+STEP_TIME_BUCKETS: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 60.0)
+#: All-reduce time per step: from a millisecond (one node, NVLink) to a fast rank waiting for a slow one.
+COMM_TIME_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.03, 0.1, 0.3, 1.0, 10.0)
+#: Data waits are usually far below a step. 0.1 s and 0.5 s are boundaries on purpose: the data-loader
+#: alert reads "p90 above its threshold" from the bucket at the threshold (prometheus/generate_rules.py).
+DATA_WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 2.5)
+CHECKPOINT_BUCKETS: tuple[float, ...] = (1.0, 10.0, 60.0, 300.0, 1800.0)
+TEXT_LENGTH_BUCKETS: tuple[float, ...] = (4, 16, 64, 256)
+IMAGE_SIDE_BUCKETS: tuple[float, ...] = (64, 256, 1024)
 # fmt: on
 
 
@@ -91,6 +90,11 @@ class MetricSpec:
     #: any loop that chooses to).
     source: str = "core"
 
+    def __post_init__(self) -> None:
+        problem = _convention_problem(self)
+        if problem:
+            raise ValueError(f"metric {self.name!r}: {problem}")
+
     @property
     def all_labels(self) -> tuple[str, ...]:
         return IDENTITY_LABELS + self.labels
@@ -110,6 +114,50 @@ class MetricSpec:
         if self.kind is MetricKind.INFO:
             return self.name.removesuffix("_info")
         return self.name
+
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+#: Base units a name may end in (Prometheus naming: base units, no "percent").
+UNIT_SUFFIXES: tuple[str, ...] = (
+    "seconds", "bytes", "ratio", "watts", "celsius", "tokens", "pixels", "nats", "joules", "meters",
+)  # fmt: skip
+#: Label names that would make a series per step, per file or per message: never bounded.
+_UNBOUNDED_LABELS = frozenset({"step", "path", "file", "message", "reason_text", "time", "timestamp", "id"})
+_RESERVED_LABELS = frozenset({"le", "quantile", "job", "instance"})
+
+
+def _convention_problem(spec: MetricSpec) -> str:
+    """What breaks Prometheus's conventions in `spec`, or "" (the same checks for every metric, ours or a user's)."""
+    if not _NAME.match(spec.name):
+        return "a name is letters, digits, '_' and ':' and does not start with a digit"
+    if not spec.help.strip():
+        return "help text is required (it is the metric's documentation on every page)"
+    if (spec.kind is MetricKind.COUNTER) != spec.name.endswith("_total"):
+        return "counters, and only counters, end in _total"
+    if spec.kind is MetricKind.INFO and not spec.name.endswith("_info"):
+        return "info metrics end in _info"
+    if "percent" in spec.name:
+        return "use a _ratio in 0..1, not a percentage"
+    if spec.unit and spec.unit not in UNIT_SUFFIXES:
+        return f"unit {spec.unit!r} is not a base unit; use one of {', '.join(UNIT_SUFFIXES)}"
+    if spec.unit and not spec.name.removesuffix("_total").endswith("_" + spec.unit):
+        return f"the name must end in its unit, _{spec.unit}"
+    for label in spec.labels:
+        if not _LABEL.match(label) or label.startswith("__"):
+            return f"label {label!r} is not a valid label name"
+        if label in IDENTITY_LABELS or label in _RESERVED_LABELS:
+            return f"label {label!r} is reserved (identity labels are added to every series)"
+        if label in _UNBOUNDED_LABELS:
+            return f"label {label!r} would be unbounded (one series per value): keep labels to small fixed sets"
+    if len(set(spec.labels)) != len(spec.labels):
+        return "a label is listed twice"
+    if spec.kind is MetricKind.HISTOGRAM:
+        if not spec.buckets or list(spec.buckets) != sorted(set(spec.buckets)):
+            return "a histogram needs strictly increasing buckets"
+    elif spec.buckets:
+        return "only histograms have buckets"
+    return ""
 
 
 _C, _G, _H, _I = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM, MetricKind.INFO
@@ -141,7 +189,7 @@ _SPECS: tuple[MetricSpec, ...] = (
         _H,
         "Time spent in gradient all-reduce per step, measured by a DDP comm hook.",
         unit="seconds",
-        buckets=STEP_TIME_BUCKETS,
+        buckets=COMM_TIME_BUCKETS,
     ),
     _m(
         "compute_duration_seconds",

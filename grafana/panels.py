@@ -115,6 +115,21 @@ def needs_gpu(expr: str) -> bool:
     return bool(GPU_ONLY_METRICS & metric_names(expr))
 
 
+#: An alert's line (red above it), or a (low, high) pair: red below low and above high.
+Threshold = float | tuple[float, float]
+
+
+def _thresholds(threshold: Threshold) -> dash_b.ThresholdsConfig:
+    """Grafana's threshold steps for an alert's line; the first step's value null is Grafana's -Infinity."""
+    if isinstance(threshold, tuple):
+        low, high = threshold
+        steps = [dash_m.Threshold(value=None, color="red"), dash_m.Threshold(value=low, color="green"),
+                 dash_m.Threshold(value=high, color="red")]  # fmt: skip
+    else:
+        steps = [dash_m.Threshold(value=None, color="green"), dash_m.Threshold(value=threshold, color="red")]
+    return dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE).steps(steps)
+
+
 def _common(panel: Any, title: str, unit: str, targets: Sequence[Target], description: str, w: int, h: int):
     """Title, unit, datasource, size and targets: what every panel here shares."""
     if not unit:
@@ -153,7 +168,9 @@ def timeseries(
     h: int = 8,
     min_val: float | None = None,
     max_val: float | None = None,
+    threshold: Threshold | None = None,
 ) -> Builder[dash_m.Panel]:
+    """A time series panel; `threshold` draws an alert's line (pass the Tunables value, never a literal)."""
     panel = (
         ts_b.Panel()
         .legend(
@@ -177,6 +194,10 @@ def timeseries(
         panel = panel.min(min_val)
     if max_val is not None:
         panel = panel.max(max_val)
+    if threshold is not None:
+        panel = panel.thresholds(_thresholds(threshold)).thresholds_style(
+            common_b.GraphThresholdsStyleConfig().mode(common_m.GraphTresholdsStyleMode.DASHED)
+        )
     return _common(panel, title, unit, targets, description, w, h)
 
 
@@ -189,7 +210,9 @@ def stat(
     w: int = 4,
     h: int = 4,
     show_name: bool = False,
+    threshold: Threshold | None = None,
 ) -> Builder[dash_m.Panel]:
+    """A single value; with `threshold` it turns red at an alert's line."""
     panel = (
         stat_b.Panel()
         .graph_mode(common_m.BigValueGraphMode.AREA)
@@ -199,6 +222,8 @@ def stat(
     if show_name:
         # The series name carries the answer (e.g. which rank), not only the value.
         panel = panel.text_mode(common_m.BigValueTextMode.VALUE_AND_NAME)
+    if threshold is not None:
+        panel = panel.thresholds(_thresholds(threshold))
     return _common(panel, title, unit, [target], description, w, h)
 
 

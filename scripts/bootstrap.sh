@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything rankscope needs on a fresh Debian machine, idempotently:
-# the Prometheus and Alertmanager servers and Chromium (Debian packages) and a
+# the Prometheus, Alertmanager and VictoriaMetrics servers and Chromium (Debian packages) and a
 # virtual environment in .venv with the project and its dev extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-alertmanager)
+# victoria-metrics, vmagent and vmalert: the VictoriaMetrics deployment's tests and benchmarks.
+command -v victoria-metrics >/dev/null 2>&1 || need_apt+=(victoria-metrics)
 # The run report's test renders its page headless.
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then

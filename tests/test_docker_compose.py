@@ -4,7 +4,9 @@ The compose files are validated against the Compose Specification's JSON
 schema (tests/data/compose-spec.json, see tests/data/README.md for its
 source); every host path they mount and every file the Dockerfile copies must
 exist in the repository; and the services agree with the config files they
-mount (scrape targets, the webhook's token file).
+mount (scrape targets, the webhook's token file). The VictoriaMetrics variant
+runs with the flags of the local stack the end-to-end test drives
+(trainer/vmstack.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((REPO / "tests" / "data" / "compose-spec.json").read_text())
-COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.vm.yml")
 
 
 def _load(name: str) -> dict:
@@ -188,3 +190,42 @@ def test_grafana_gets_the_provisioning_and_the_dashboards():
     assert _container_path(compose, "grafana", "grafana/provisioning") == "/etc/grafana/provisioning"
     home = compose["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == _container_path(compose, "grafana", "grafana/dashboards/run-overview.json")
+
+
+def _flags(command: list[str]) -> dict[str, str]:
+    """-name=value arguments as {name: value}."""
+    return dict(arg.lstrip("-").split("=", 1) for arg in command if arg.startswith("-") and "=" in arg)
+
+
+def test_the_victoriametrics_variant_runs_the_shipped_files_with_the_tested_flags():
+    from trainer.vmstack import VICTORIA_METRICS_FLAGS, VMALERT_FLAGS
+
+    base, vm = _load("docker-compose.yml"), _load("docker-compose.vm.yml")
+    merged = {name: {**base["services"].get(name, {}), **spec} for name, spec in vm["services"].items()}
+    store, vmagent, vmalert = (_flags(merged[name]["command"]) for name in ("prometheus", "vmagent", "vmalert"))
+    # The latency flags of trainer/vmstack.py, which tests/e2e/test_victoriametrics.py runs with.
+    assert _flags(list(VICTORIA_METRICS_FLAGS)).items() <= store.items()
+    assert _flags(list(VMALERT_FLAGS)).items() <= vmalert.items()
+    # The store takes Prometheus's name and port: Grafana's provisioned datasource queries it unchanged.
+    datasource = yaml.safe_load((REPO / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090" and store["httpListenAddr"] == ":9090"
+    assert (
+        store["storageDataPath"] == "/prometheus" and "prometheus-data:/prometheus" in merged["prometheus"]["volumes"]
+    )
+    # vmagent scrapes with the shipped scrape jobs and writes to the store.
+    assert vmagent["promscrape.config"] == _container_path(vm, "vmagent", "prometheus/prometheus.yml")
+    assert vmagent["remoteWrite.url"] == "http://prometheus:9090/api/v1/write"
+    # vmalert evaluates the shipped rule files as often as Prometheus would, and tells the same Alertmanager.
+    prometheus = yaml.safe_load((REPO / "prometheus" / "prometheus.yml").read_text())
+    rules_dir = _container_path(vm, "vmalert", "prometheus/rules")
+    assert vmalert["rule"] == f"{rules_dir}/*.yml"
+    assert {Path(pattern).name for pattern in prometheus["rule_files"]} <= {
+        p.name for p in (REPO / "prometheus/rules").glob("*.yml")
+    }
+    assert vmalert["evaluationInterval"] == prometheus["global"]["evaluation_interval"]
+    (alertmanager,) = prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert vmalert["notifier.url"] == f"http://{alertmanager}"
+    assert {vmalert[key] for key in ("datasource.url", "remoteWrite.url", "remoteRead.url")} == {
+        "http://prometheus:9090"
+    }
+    assert {"prometheus", "alertmanager"} <= set(merged["vmalert"]["depends_on"])

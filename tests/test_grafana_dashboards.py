@@ -6,8 +6,10 @@ against a live Prometheus. These tests check everything that needs no data.
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from exporter.contract import METRICS
 from grafana import generate
 from grafana.panels import DATASOURCE_UID, GPU_ONLY_METRICS
 from grafana.queries import DASHBOARDS_DIR, REQUIRES_GPU_TAG, dashboards, metric_names, panel_queries, substitute
+from grafana.rules import generator, tunables
 
 REPO = Path(__file__).resolve().parent.parent
 PROVISIONING = REPO / "grafana" / "provisioning"
@@ -196,3 +199,105 @@ def test_every_panel_and_annotation_query_is_valid_promql(boards, tmp_path):
     path.write_text(yaml.safe_dump(rules))
     result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- thresholds and text come from the rules' Tunables ------------------------------------------------
+# prometheus/generate_rules.py's Tunables is the one source of every alert threshold and `for`; the
+# dashboards draw the alerts' lines and quote them from it. These panels show an alert's numbers:
+# (tunables drawn as threshold lines, tunables quoted in the description).
+PANEL_TUNABLES = {
+    "Gradient norm": (
+        ("grad_norm_vanishing", "grad_norm_explosion"),
+        ("grad_norm_explosion", "grad_explosion_for", "grad_norm_vanishing", "grad_vanishing_for"),
+    ),
+    "Imbalance (slowest / median rank compute time)": (
+        ("imbalance_ratio",),
+        ("imbalance_ratio", "imbalance_for", "imbalance_severity"),
+    ),
+    "Communication and data-wait share": (("comm_share",), ("comm_share", "comm_for")),
+    "Host memory used": (("host_memory_ratio",), ("host_memory_ratio", "host_memory_for")),
+    "Straggler": (("imbalance_ratio",), ("imbalance_ratio", "imbalance_for", "imbalance_severity")),
+    "Compute time over median, per rank": (("imbalance_ratio",), ()),
+    "Data wait per rank (p90)": (("data_wait_p90_seconds",), ("data_wait_p90_seconds", "data_loader_for")),
+    "Data-wait share per rank": (("data_wait_share",), ("data_wait_share", "data_loader_for")),
+}
+
+
+def _quoted(name: str, value: object) -> str:
+    """A tunable as the dashboards (and the alerts' descriptions) write it."""
+    if isinstance(value, str):
+        return value
+    if name.endswith(("_ratio", "_share")) and 0 < value < 1:
+        return f"{value:.0%}"
+    return generator().num(value)
+
+
+def dashboard_drift(boards: list[dict], t) -> list[str]:  # noqa: ANN001 - the generator's Tunables
+    """Where the dashboards' alert lines and quoted numbers differ from `t`."""
+    problems = []
+    seen = set()
+    for board in boards:
+        for panel in _panels(board):
+            title = panel["title"]
+            steps = (panel["fieldConfig"]["defaults"].get("thresholds") or {}).get("steps") or []
+            lines = sorted(step["value"] for step in steps if step.get("value") is not None)
+            if title not in PANEL_TUNABLES:
+                if lines:
+                    problems.append(f"{title}: threshold lines {lines} that no tunable accounts for")
+                continue
+            seen.add(title)
+            drawn, quoted = PANEL_TUNABLES[title]
+            want = sorted(getattr(t, name) for name in drawn)
+            if lines != want:
+                problems.append(f"{title}: threshold lines {lines}, Tunables has {want} ({', '.join(drawn)})")
+            for name in quoted:
+                text = _quoted(name, getattr(t, name))
+                if not re.search(rf"(?<![\w.]){re.escape(text)}(?![\w%])", panel.get("description", "")):
+                    problems.append(f"{title}: the description does not say {text} ({name})")
+    problems += [f"{title}: no such panel" for title in sorted(set(PANEL_TUNABLES) - seen)]
+    return problems
+
+
+def test_the_dashboards_draw_and_quote_the_alerts_tunables(boards):
+    assert dashboard_drift(boards, tunables()) == []
+
+
+def test_the_dashboard_check_catches_a_threshold_that_drifted(boards):
+    # A copy of the committed dashboards with the host-memory line moved by hand.
+    edited = copy.deepcopy(boards)
+    (panel,) = [p for b in edited for p in _panels(b) if p["title"] == "Host memory used"]
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [step["value"] for step in steps] == [None, 0.85]
+    steps[1]["value"] = 0.8
+    panel["description"] = panel["description"].replace("85%", "80%")
+    assert dashboard_drift(edited, tunables()) == [
+        "Host memory used: threshold lines [0.8], Tunables has [0.85] (host_memory_ratio)",
+        "Host memory used: the description does not say 85% (host_memory_ratio)",
+    ]
+
+
+def test_a_changed_tunable_reaches_the_generated_dashboards(monkeypatch):
+    monkeypatch.setattr(generate, "T", replace(tunables(), host_memory_ratio=0.8, imbalance_ratio=1.3))
+    boards = [generate.run_overview(), generate.ranks()]
+    (memory,) = [p for b in boards for p in _panels(b) if p["title"] == "Host memory used"]
+    assert memory["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 0.8
+    assert "above 80% for 1m" in memory["description"]
+    changed = dashboard_drift(boards, tunables())
+    assert {problem.split(":")[0] for problem in changed} >= {
+        "Host memory used",
+        "Straggler",
+        "Imbalance (slowest / median rank compute time)",
+    }
+
+
+def test_panels_read_the_series_the_rules_record_by_the_generators_names(boards):
+    rules = generator()
+    exprs = {t["expr"] for b in boards for p in _panels(b) for t in p["targets"]}
+    for series in (
+        rules.STRAGGLER,
+        rules.IMBALANCE,
+        rules.COMM_SHARE,
+        rules.SAMPLES_RATE,
+        *rules.STEP_QUANTILES.values(),
+    ):
+        assert any(series in expr for expr in exprs), series

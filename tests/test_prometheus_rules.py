@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import re
 import shutil
 import subprocess
 import sys
 import urllib.parse
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,10 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
 
 
 def _rules(kind: str) -> list[dict]:
-    document = yaml.safe_load((RULES / ("alerts.yml" if kind == "alert" else "recording.yml")).read_text())
-    return [rule for group in document["groups"] for rule in group["rules"]]
+    """Every rule of `kind` ("alert" or "record") in the rule files (the alert group starts with recording
+    rules of its own: per-run values its alerts read)."""
+    documents = [yaml.safe_load(path.read_text()) for path in RULE_FILES]
+    return [rule for document in documents for group in document["groups"] for rule in group["rules"] if kind in rule]
 
 
 ALERT_RULES = _rules("alert")
@@ -179,9 +182,53 @@ def test_the_name_check_sees_histogram_series_and_ignores_label_values():
 def test_recorded_series_are_named_level_metric_operation_after_a_contract_metric(record):
     level, metric, operation = record.split(":")
     assert level in ("run", "run_rank") and operation
-    bases = {spec.name for spec in METRICS.values()}
+    bases = {spec.name for spec in METRICS.values()} | _series_names()
     bases |= {spec.name.removesuffix("_total") for spec in METRICS.values() if spec.kind is MetricKind.COUNTER}
     assert metric in bases
+
+
+def _contract_metrics_read() -> set[str]:
+    """The contract metrics (family names) that some rule reads."""
+    family = {series: spec.name for spec in METRICS.values() for series in spec.series_names}
+    return {family[n] for rule in ALERT_RULES + RECORDING_RULES for n in _names_in(rule["expr"]) if n in family}
+
+
+@pytest.mark.parametrize("metric_name", sorted(_contract_metrics_read()))
+def test_every_metric_a_rule_reads_is_looked_up_in_the_contract(metric_name, monkeypatch):
+    # A name typed out in the generator would survive its metric leaving the contract; a looked-up one fails.
+    monkeypatch.delitem(gen.contract.METRICS, metric_name)
+    with pytest.raises(KeyError, match=metric_name.removeprefix("rankscope_")):
+        gen.render(gen.Tunables())
+
+
+def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
+    # The generator and a copy of the contract in which rankscope_grad_norm is renamed, laid out as in the repo.
+    (tmp_path / "prometheus").mkdir()
+    (tmp_path / "exporter").mkdir()
+    shutil.copy(PROM / "generate_rules.py", tmp_path / "prometheus")
+    contract = (REPO / "exporter" / "contract.py").read_text()
+    assert contract.count('_m("grad_norm", ') == 1
+    (tmp_path / "exporter" / "contract.py").write_text(contract.replace('_m("grad_norm", ', '_m("gradient_norm", '))
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "prometheus" / "generate_rules.py"), "--out", str(tmp_path / "rules")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and "grad_norm" in result.stderr, result.stderr
+    assert not (tmp_path / "rules").exists()
+
+
+def test_no_alert_reads_a_series_more_than_two_recording_levels_above_the_scraped_data():
+    # A remote ruler (vmalert) sees a recorded series one evaluation after it wrote it: each level is a delay.
+    depth = gen.recording_depth(RECORDING_RULES)
+    assert max(depth.values()) <= 3
+    deep = {rule["alert"]: gen.expression_depth(rule["expr"], depth) for rule in ALERT_RULES}
+    assert max(deep.values()) <= 2, deep
+    assert deep["RankscopeRankImbalance"] == 2 and deep["RankscopeNonFiniteSteps"] == 1
+
+
+def test_the_depth_check_rejects_a_series_read_before_it_is_recorded():
+    with pytest.raises(ValueError, match="run:rankscope_loss:smoothed"):
+        gen.recording_depth([{"record": "run:x:min", "expr": "min_over_time(run:rankscope_loss:smoothed[5m])"}])
 
 
 # --- alert conventions --------------------------------------------------------------------
@@ -208,6 +255,184 @@ def test_every_alert_has_severity_summary_description_and_its_own_runbook_sectio
 def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
     alerts = {rule["alert"].lower() for rule in ALERT_RULES}
     assert set(_runbook_anchors()) - alerts == {"severities"}
+
+
+# --- the runbook and prometheus/README.md quote the Tunables: checked against them ---------------
+# Tunables (prometheus/generate_rules.py) is the one source of every threshold, window and `for`. The
+# runbook stays prose, so it is not generated: every number it quotes is checked here instead, and so
+# is the alert table of prometheus/README.md. Which tunables an alert uses is found by changing each
+# one and seeing which generated alerts change.
+
+README = PROM / "README.md"
+#: Tunables no alert section needs to quote: the rate window of every rule, the URL, the group interval, the
+#: device-memory kind (quoted as a label matcher) and the severities (each section's "Severity `...`").
+UNQUOTED = {"rate_window", "runbook_url", "evaluation_interval", "device_memory_kind"} | {
+    f.name for f in fields(gen.Tunables) if f.name.endswith("_severity")
+}
+_AMOUNT = re.compile(r"(?<![\w.`])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(%|ms|s|m|h|x)?(?![\w`])")
+_UNITS = {"%": ("number", 0.01), "x": ("number", 1), None: ("number", 1), "ms": ("seconds", 0.001),
+          "s": ("seconds", 1), "m": ("seconds", 60), "h": ("seconds", 3600)}  # fmt: skip
+
+
+def _amounts(text: str) -> list[tuple[str, float]]:
+    """The amounts a text quotes, in base units: ("number", 0.85) for "85 %", ("seconds", 600) for "10m"."""
+    found = []
+    for value, unit in _AMOUNT.findall(text):
+        kind, scale = _UNITS[unit or None]
+        found.append((kind, float(value) * scale))
+    return found
+
+
+def _as_amount(name: str, value: object) -> tuple[str, float]:
+    """A tunable's value as an amount: durations and *_seconds fields in seconds, other numbers as they are."""
+    if isinstance(value, str):
+        return "seconds", sum(float(n) * _UNITS[u][1] for n, u in re.findall(r"(\d+)(ms|s|m|h)", value))
+    return ("seconds" if name.endswith("_seconds") else "number"), float(value)
+
+
+def _variant(t, name: str):  # noqa: ANN001, ANN202 - the generator's Tunables
+    """`t` with field `name` changed to another valid value."""
+    value = getattr(t, name)
+    if name == "data_wait_p90_seconds":
+        candidates = [b for b in gen.contract.metric("data_wait_seconds").buckets if b != value]
+    elif isinstance(value, str):
+        candidates = ["7m", "8m", "reserved", "info", "ticket"]
+    else:
+        candidates = [value * 1.5, value * 0.5]
+    for candidate in (c for c in candidates if c != value):
+        try:
+            return replace(t, **{name: candidate})
+        except ValueError:
+            continue
+    raise AssertionError(f"no valid variant of {name}={value!r}")
+
+
+@functools.cache
+def _tunables_used() -> dict[str, list[str]]:
+    """Alert name -> the tunables whose change changes its generated rule (expression, `for` or text)."""
+    t = gen.Tunables()
+    base = {a.name: a.to_rule(t) for a in gen.alerts(t)}
+    used: dict[str, list[str]] = {name: [] for name in base}
+    for f in fields(gen.Tunables):
+        if f.name == "runbook_url":
+            continue
+        variant = _variant(t, f.name)
+        for alert in gen.alerts(variant):
+            if alert.to_rule(t) != base[alert.name]:
+                used[alert.name].append(f.name)
+    return used
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Runbook heading -> its text."""
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def runbook_drift(text: str, t) -> list[str]:  # noqa: ANN001 - the generator's Tunables
+    """Where the runbook differs from the alerts generated from `t`: each section states its alert's severity
+    and action, and quotes every tunable the alert uses as `name` (value), with its value (a `for` of 0s is
+    written "no `for`")."""
+    problems = []
+    sections = _sections(text)
+    for rule in gen.alerts(t):
+        section = sections.get(rule.name, "")
+        said = re.findall(r"Severity\s+`(\w+)`", section)
+        if said != [rule.severity]:
+            problems.append(f"{rule.name}: the runbook says severity {said}, the rule {rule.severity}")
+        acts = re.findall(r"action\s+`(\w+)`", section)
+        if acts != ([rule.action] if rule.action else []):
+            problems.append(f"{rule.name}: the runbook says action {acts}, the rule {rule.action or 'none'}")
+    for alert, names in _tunables_used().items():
+        section = sections.get(alert, "")
+        for name in names:
+            value = getattr(t, name)
+            if name in UNQUOTED:
+                continue
+            if name.endswith("_for") and value == "0s":
+                if "no `for`" not in section:
+                    problems.append(f"{alert}: {name} is 0s; the runbook should say no `for`")
+                continue
+            quotes = re.findall(rf"`{name}`\s*\(([^;)]*)", section)
+            if not quotes:
+                problems.append(f"{alert}: the runbook does not quote `{name}` ({value})")
+            for quoted in quotes:
+                want = _as_amount(name, value)
+                got = _amounts(quoted)
+                if len(got) != 1 or got[0][0] != want[0] or not math.isclose(got[0][1], want[1]):
+                    problems.append(f"{alert}: the runbook says `{name}` ({quoted.strip()}), Tunables has {value}")
+    return problems
+
+
+def readme_table_drift(text: str, t) -> list[str]:  # noqa: ANN001 - the generator's Tunables
+    """Where prometheus/README.md's alert table differs from the alerts generated from `t`: one row per alert
+    with its `for`, severity and action, and every amount in its condition one of the alert's tunables."""
+    rows = {
+        m[0]: [c.strip() for c in m[1:]] for m in re.findall(r"^\| `(\w+)` \|(.*)\|(.*)\|(.*)\|(.*)\|$", text, re.M)
+    }
+    problems = []
+    for alert in gen.alerts(t):
+        if alert.name not in rows:
+            problems.append(f"{alert.name}: no row in the alert table")
+            continue
+        condition, for_, severity, action = rows.pop(alert.name)
+        if _as_amount("for", for_ if for_ != "0" else "0s") != _as_amount("for", alert.for_):
+            problems.append(f"{alert.name}: the table says for {for_}, the rule {alert.for_}")
+        if (severity, action) != (alert.severity, alert.action):
+            problems.append(f"{alert.name}: the table says {severity}/{action or '-'}, the rule "
+                            f"{alert.severity}/{alert.action or '-'}")  # fmt: skip
+        allowed = [_as_amount(name, getattr(t, name)) for name in _tunables_used()[alert.name]]
+        for kind, amount in _amounts(condition):
+            if not any(kind == k and math.isclose(amount, v) for k, v in allowed):
+                problems.append(f"{alert.name}: the table's condition {condition!r} quotes {amount:g} ({kind}), "
+                                "which is none of the alert's tunables")  # fmt: skip
+    problems += [f"{name}: a row for an alert that does not exist" for name in rows]
+    return problems
+
+
+def test_the_runbook_quotes_every_tunable_its_alerts_use_with_its_value():
+    assert runbook_drift(RUNBOOK.read_text(), gen.Tunables()) == []
+
+
+def test_the_runbook_check_catches_a_number_that_drifted():
+    text = RUNBOOK.read_text()
+    assert "`host_memory_ratio` (85 %)" in text and "`stall_seconds` (600 s)" in text
+    drifted = text.replace("`host_memory_ratio` (85 %)", "`host_memory_ratio` (80 %)")
+    assert runbook_drift(drifted, gen.Tunables()) == [
+        "RankscopeHostMemoryHigh: the runbook says `host_memory_ratio` (80 %), Tunables has 0.85"
+    ]
+    # ... and tunables changed without the runbook following them.
+    changed = replace(gen.Tunables(), stall_seconds=900.0, comm_severity="page")
+    assert runbook_drift(text, changed) == [
+        "RankscopeCommOverheadHigh: the runbook says severity ['ticket'], the rule page",
+        "RankscopeRunStalled: the runbook says `stall_seconds` (600 s), Tunables has 900.0",
+    ]
+
+
+def test_every_tunable_an_alert_uses_is_found():
+    used = _tunables_used()
+    assert used["RankscopeHostMemoryHigh"] == ["host_memory_ratio", "host_memory_for", "host_memory_severity"]
+    assert set(used["RankscopeDataLoaderBottleneck"]) == {
+        "rate_window", "data_wait_p90_seconds", "data_wait_share", "data_loader_for", "data_loader_severity"
+    }  # fmt: skip
+    # Every alert's severity is a tunable of its own.
+    assert all(any(name.endswith("_severity") for name in names) for names in used.values()), used
+
+
+def test_the_readme_alert_table_matches_the_generated_alerts():
+    assert readme_table_drift(README.read_text(), gen.Tunables()) == []
+
+
+def test_the_readme_table_check_catches_a_number_that_drifted():
+    text = README.read_text()
+    row = "| `RankscopeRankImbalance` | straggler ratio > 1.5 (names the rank) | 10m | page | |"
+    assert row in text
+    drifted = text.replace(row, row.replace("> 1.5", "> 1.3").replace("10m", "5m"))
+    assert readme_table_drift(drifted, gen.Tunables()) == [
+        "RankscopeRankImbalance: the table says for 5m, the rule 10m",
+        "RankscopeRankImbalance: the table's condition 'straggler ratio > 1.3 (names the rank)' quotes 1.3 "
+        "(number), which is none of the alert's tunables",
+    ]
 
 
 def test_alerts_that_name_a_rank_keep_the_rank_label_and_name_it():
@@ -287,7 +512,8 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ["--out", str(tmp_path), "--set", "imbalance_ratio=1.3", "--set", "*_for=2s", "--set", "rate_window=10s"]
     )
     assert code == 0
-    alerts = yaml.safe_load((tmp_path / "alerts.yml").read_text())["groups"][0]["rules"]
+    rules = yaml.safe_load((tmp_path / "alerts.yml").read_text())["groups"][0]["rules"]
+    alerts = [rule for rule in rules if "alert" in rule]
     imbalance = next(rule for rule in alerts if rule["alert"] == "RankscopeRankImbalance")
     assert imbalance["expr"].endswith("> 1.3")
     assert {rule.get("for") for rule in alerts} == {"2s"}
@@ -305,6 +531,8 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("no_such_knob=1", "no tunable matches 'no_such_knob'"),
         ("imbalance_ratio", "--set expects NAME=VALUE"),
         ("device_memory_kind=free", "device_memory_kind must be allocated, reserved or peak"),
+        ("data_wait_p90_seconds=0.2", "data_wait_p90_seconds must be a bucket boundary of rankscope_data_wait_seconds"),
+        ("comm_severity=urgent", "comm_severity must be one of page, ticket, info"),
     ],
 )
 def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):
@@ -356,9 +584,7 @@ def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_th
     job = None
 
     def diagnose() -> str:
-        seen = {
-            expr: _query(url, expr) for expr in ("up", "ALERTS", "run_rank:rankscope_compute_duration_seconds:mean")
-        }
+        seen = {expr: _query(url, expr) for expr in ("up", "ALERTS", gen.COMPUTE_BUSY)}
         return f"prometheus saw {json.dumps(seen)}\n--- prometheus log\n{tail(prom_log)}\n--- job log\n{tail(job_log)}"
 
     try:
@@ -372,7 +598,7 @@ def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_th
             log=job_log,
         )
         straggler = wait_for(
-            lambda: _query(url, 'run:rankscope_compute_duration_seconds:straggler_ratio{run_id="rules-it"}'),
+            lambda: _query(url, f'{gen.STRAGGLER}{{run_id="rules-it"}}'),
             120,
             "the straggler series",
             diagnose,

@@ -10,6 +10,9 @@ A :class:`Stack` runs, for one scenario:
   (:data:`RULE_SETTINGS`); `retune()` regenerates them with other settings and
   has Prometheus reload them while the run goes on;
 - a pager sink (`tests.support.WebhookSink`) where compose's `pager:9095` was;
+- with ``engine="victoriametrics"``, vmagent, VictoriaMetrics and vmalert (`trainer.vmstack`) in
+  Prometheus's place: the same scrape jobs, rule files and Alertmanager; the query API is
+  VictoriaMetrics', the rules and alerts API vmalert's (both Prometheus-compatible);
 - the reference trainer on 2 ranks under torchrun (`tests.jobs.trainer_job`),
   its control endpoint on, with the token Alertmanager sends.
 
@@ -48,10 +51,13 @@ from tests.support import (
 )
 from trainer.processes import Children
 from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
+from trainer.vmstack import VictoriaPorts, VictoriaStack
 
 T = TypeVar("T")
 
 NPROC = 2
+#: What stores the samples and evaluates the rules (see Stack).
+ENGINES = ("prometheus", "victoriametrics")
 #: Prometheus scrapes and evaluates this often.
 INTERVAL_SECONDS = 1
 #: Grafana's $__rate_interval for the dashboards check: at least 4 scrape intervals.
@@ -132,13 +138,18 @@ class Stack:
     `close()` stops everything it started; use it as a context manager.
     """
 
-    def __init__(self, workdir: Path, name: str, free_port_block: Callable[[int], int]) -> None:
+    def __init__(
+        self, workdir: Path, name: str, free_port_block: Callable[[int], int], engine: str = "prometheus"
+    ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.workdir = workdir
+        self.engine = engine
         self.run_id = f"e2e-{name}"
         self.started_at = time.time()
         self.pager = WebhookSink()
         # One block for every port of the scenario, so no two of them can collide.
-        base = free_port_block(NPROC + 4)
+        base = free_port_block(NPROC + 6)
         self.ports = Ports(
             prometheus=base, alertmanager=base + 1, control=base + 2, metrics=base + 4, pager=self.pager.port
         )
@@ -152,10 +163,22 @@ class Stack:
         self._children = Children()
         try:
             am_config = _write_yaml(workdir / "alertmanager.yml", fast_alertmanager_config(self.ports, self.token_file))
-            prom_config = _write_yaml(workdir / "prometheus.yml", fast_prometheus_config(self.ports, workdir))
+            prom_config = fast_prometheus_config(self.ports, workdir)
             self.alertmanager_url = start_alertmanager(self._children, am_config, workdir, self.ports.alertmanager).url
-            self._prometheus = start_prometheus(self._children, prom_config, workdir, self.ports.prometheus)
-            self.prometheus_url = self._prometheus.url
+            if engine == "prometheus":
+                prometheus = start_prometheus(
+                    self._children, _write_yaml(workdir / "prometheus.yml", prom_config), workdir, self.ports.prometheus
+                )
+                self._ruler, self.prometheus_url = prometheus.child, prometheus.url
+                self.rules_url = self.scraper_url = self.prometheus_url
+            else:
+                rule_files = [Path(path) for path in prom_config["rule_files"]]
+                ports = VictoriaPorts(storage=self.ports.prometheus, vmagent=base + NPROC + 4, vmalert=base + NPROC + 5)
+                vm = VictoriaStack(self._children, workdir, prom_config, rule_files, ports,
+                                   alertmanager_url=self.alertmanager_url).start()  # fmt: skip
+                assert vm.vmalert is not None
+                self._ruler, self.prometheus_url = vm.vmalert, vm.query_url
+                self.rules_url, self.scraper_url = vm.rules_url, vm.vmagent_url
         except BaseException:
             self.close()
             raise
@@ -178,23 +201,28 @@ class Stack:
     def rules(self) -> dict[str, dict[str, Any]]:
         """The alerting rules Prometheus was given, by alert name (as generated)."""
         groups = yaml.safe_load((self.workdir / "rules" / "alerts.yml").read_text())["groups"]
-        return {rule["alert"]: rule for group in groups for rule in group["rules"]}
+        # The alert group starts with recording rules of its own (per-run values its alerts read).
+        return {rule["alert"]: rule for group in groups for rule in group["rules"] if "alert" in rule}
 
     def retune(self, *settings: str) -> None:
         """Regenerate the rules with `settings` added and have the running Prometheus reload them."""
         before = self._reloaded_at()
         self.rule_settings += settings
         generate_rules(self.workdir / "rules", self.rule_settings)
-        self._prometheus.child.popen.send_signal(signal.SIGHUP)
-        self.wait(lambda: self._reloaded_at() > before, f"Prometheus to reload rules with {settings}", timeout=20)
-        reload_ok = sample_value(
-            samples(fetch(f"{self.prometheus_url}/metrics")), "prometheus_config_last_reload_successful"
+        self._ruler.popen.send_signal(signal.SIGHUP)  # Prometheus and vmalert both reload their rules on SIGHUP
+        self.wait(lambda: self._reloaded_at() > before, f"the ruler to reload rules with {settings}", timeout=20)
+        reload_ok = sample_value(samples(fetch(f"{self.rules_url}/metrics")), f"{self._ruler_metrics}_successful")
+        assert reload_ok == 1, (
+            f"the ruler refused the retuned rules\n{tail(self.workdir / f'{self._ruler.name}.log', 10)}"
         )
-        assert reload_ok == 1, f"Prometheus refused the retuned rules\n{tail(self.workdir / 'prometheus.log', 10)}"
+
+    @property
+    def _ruler_metrics(self) -> str:
+        return ("prometheus" if self.engine == "prometheus" else "vmalert") + "_config_last_reload"
 
     def _reloaded_at(self) -> float:
-        page = samples(fetch(f"{self.prometheus_url}/metrics"))
-        return sample_value(page, "prometheus_config_last_reload_success_timestamp_seconds") or 0.0
+        page = samples(fetch(f"{self.rules_url}/metrics"))
+        return sample_value(page, f"{self._ruler_metrics}_success_timestamp_seconds") or 0.0
 
     def calibrate_host_memory(self, margin_bytes: int) -> float:
         """Set the host-memory alert line `margin_bytes` above what the machine uses now; returns it.
@@ -275,7 +303,10 @@ class Stack:
     # --- Prometheus and Alertmanager -----------------------------------------------------------
 
     def prometheus(self, path: str, **params: Any) -> Any:
-        answer = requests.get(f"{self.prometheus_url}{path}", params=params, timeout=10)
+        """A Prometheus HTTP API call: queries go to the store, rules and alerts to the ruler, targets to the
+        scraper (all three are Prometheus itself, or VictoriaMetrics, vmalert and vmagent)."""
+        base = {"/api/v1/alerts": self.rules_url, "/api/v1/rules": self.rules_url, "/api/v1/targets": self.scraper_url}
+        answer = requests.get(f"{base.get(path, self.prometheus_url)}{path}", params=params, timeout=10)
         answer.raise_for_status()
         body = answer.json()
         if body.get("status") != "success":
@@ -310,7 +341,9 @@ class Stack:
     def last_evaluation(self, group: str = "rankscope.alerts") -> float:
         """Unix time of the rule group's latest evaluation."""
         groups = {g["name"]: g for g in self.prometheus("/api/v1/rules")["groups"]}
-        return unix_time(groups[group]["lastEvaluation"])
+        if "lastEvaluation" in groups[group]:
+            return unix_time(groups[group]["lastEvaluation"])
+        return max(unix_time(rule["lastEvaluation"]) for rule in groups[group]["rules"])  # vmalert: per rule
 
     def pages(self, alertname: str | None = None) -> list[dict[str, Any]]:
         """Alerts the pager sink received (each as Alertmanager sent it, with its labels)."""
@@ -368,8 +401,8 @@ class Stack:
         parts.append(self._section("trainer control status", lambda: json.dumps(self.status(), indent=1)[-4000:]))
         if self.trainer is not None:
             parts.append(f"--- trainer output (tail) ---\n{self.trainer.tail(40)}")
-        for name in ("prometheus", "alertmanager"):
-            parts.append(f"--- {name} log (tail) ---\n{tail(self.workdir / f'{name}.log', 10)}")
+        for child in self._children:
+            parts.append(f"--- {child.name} log (tail) ---\n{child.log_tail(10)}")
         return "\n".join(parts)
 
     @staticmethod
@@ -389,6 +422,8 @@ class Stack:
         lines = []
         for group in self.prometheus("/api/v1/rules", type="alert")["groups"]:
             for rule in group["rules"]:
+                if rule.get("type", "alerting") != "alerting":  # vmalert lists every rule
+                    continue
                 active = [(a["state"], short_labels(a["labels"]), a["value"]) for a in rule.get("alerts", [])]
                 lines.append(f"{rule['name']}: {rule['state']} {active if active else ''}")
         return "\n".join(lines)
