@@ -173,6 +173,8 @@ class Monitor:
         `loss_scale_overflows_total`, not as a non-finite step, and the guard leaves it to the scaler."""
         self._optimizer = optimizer
         self._scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
+        if self._scaler is not None:  # exposed from here on, at 0 until the first overflow (for increase())
+            self._metric["loss_scale_overflows_total"] = self.instruments.child(PREFIX + "loss_scale_overflows_total")
         if self._modules is not None:
             self._modules.close()
         self._modules = ModuleStats(
@@ -469,7 +471,6 @@ _UNLABELLED = (
     "nonfinite_steps_total",
     "skipped_steps_total",
     "loss_spikes_total",
-    "loss_scale_overflows_total",
 )
 
 
