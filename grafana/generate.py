@@ -487,7 +487,7 @@ def model_and_data() -> dict:
                     timeseries(
                         "Source image size (p50)",
                         "pixel",
-                        Target(quantile(0.5, "image_size_pixels", "axis"), "{{axis}}"),
+                        Target(quantile(0.5, "image_size_pixels"), "side"),
                         w=8,
                     ),
                     timeseries(

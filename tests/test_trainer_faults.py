@@ -234,7 +234,7 @@ def test_both_ranks_serve_the_trainers_own_metrics(faulty_run) -> None:
         assert sample_value(samples, "rankscope_run_info", model="clip-vit", world_size="2") == 1
         assert sample_value(samples, "rankscope_global_step", rank=str(rank), run_id="trainer-test") == MAX_STEPS
         assert sample_value(samples, "rankscope_text_length_tokens_count") > 0
-        assert sample_value(samples, "rankscope_image_size_pixels_count", axis="height") > 0
+        assert sample_value(samples, "rankscope_image_size_pixels_count") > 0
         assert sample_value(samples, "rankscope_image_channel_std", channel="g") > 0
         assert sample_value(samples, "rankscope_attention_entropy_nats", layer="1") is not None
         assert sample_value(samples, "rankscope_fusion_gate_weight", stat="std") > 0

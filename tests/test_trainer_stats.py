@@ -39,7 +39,7 @@ def test_batch_statistics_describe_texts_and_images(monitor, batch_and_model) ->
     assert value("rankscope_text_length_tokens_count", LABELS) == 8
     assert value("rankscope_text_length_tokens_sum", LABELS) == batch.tokens
     assert value("rankscope_text_padding_ratio", LABELS) == pytest.approx(1 - batch.tokens / (8 * 16))
-    assert value("rankscope_image_size_pixels_sum", {**LABELS, "axis": "width"}) == 8 * 48
+    assert value("rankscope_image_size_pixels_sum", LABELS) == 2 * 8 * 48  # width and height of 8 images
     red_mean = batch.images[:, 0].mean().item()
     assert value("rankscope_image_channel_mean", {**LABELS, "channel": "r"}) == pytest.approx(red_mean, rel=1e-5)
     assert value("rankscope_image_channel_std", {**LABELS, "channel": "b"}) > 0

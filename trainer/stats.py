@@ -48,8 +48,7 @@ def record_batch_stats(monitor: Any, batch: Batch, images: torch.Tensor) -> None
     """Text lengths and padding, source image sizes, channel statistics of the (normalised) images."""
     monitor.observe("text_length_tokens", batch.lengths)
     monitor.set("text_padding_ratio", 1.0 - batch.tokens / max(1, batch.input_ids.numel()))
-    monitor.observe("image_size_pixels", batch.sizes[:, 0], axis="width")
-    monitor.observe("image_size_pixels", batch.sizes[:, 1], axis="height")
+    monitor.observe("image_size_pixels", batch.sizes.reshape(-1))  # width and height alike
     mean, std = channel_mean_std(images)
     channels = _CHANNELS[: images.shape[1]]
     monitor.set_each("image_channel_mean", mean[: len(channels)], "channel", channels)
