@@ -48,7 +48,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.jobs.trainer_job import TrainerJob
+from trainer.jobs import TrainerJob
 from trainer.stack import REPO
 
 from .localstack import MonitoringStack, free_port, local_ports, seconds, shipped_interval, unix_time

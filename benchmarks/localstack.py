@@ -10,9 +10,9 @@ Nothing here is new machinery: the configs are derived by the stack
 launcher's `trainer.stack.derive_prometheus_config` /
 `derive_alertmanager_config` (compose addresses become 127.0.0.1 and the
 given ports, one scrape target per rank, the webhook's token file), and the
-servers are started by `tests.support.start_prometheus` /
-`start_alertmanager` (the end-to-end tests' launcher, built on the stack
-launcher's `trainer.processes.Children`). What a measurement may change on top:
+servers are started by `trainer.servers.start_prometheus` /
+`start_alertmanager` (the one launcher of the demo, the tests and the
+benchmarks, built on `trainer.processes.Children`). What a measurement may change on top:
 the global scrape and evaluation interval, the rule files and whether an
 Alertmanager runs at all. Only loopback addresses are used.
 """
@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from tests.support import free_port, free_port_block, start_alertmanager, start_prometheus, unix_time
 from trainer.processes import Children
+from trainer.servers import free_port, free_port_block, start_alertmanager, start_prometheus, unix_time
 from trainer.stack import REPO, Ports, derive_alertmanager_config, derive_prometheus_config
 
 __all__ = [

@@ -97,7 +97,7 @@ def trainer_job(tmp_path_factory):
     """Call with (name, settings=[--set overrides], resume=, max_restarts=, checkpoint_dir=, config=) to start
     `torchrun -m trainer` on 2 ranks, by default with trainer/configs/test.yaml (a
     tests.jobs.trainer_job.TrainerJob); every job started is ended at the module's teardown."""
-    from tests.jobs.trainer_job import TrainerJob
+    from trainer.jobs import TrainerJob
 
     jobs = []
 

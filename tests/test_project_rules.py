@@ -27,3 +27,15 @@ def test_no_script_test_or_benchmark_stops_a_process_by_name():
             continue
         offenders += [f"{path}:{n}" for n, line in enumerate(text.splitlines(), 1) if _BY_NAME.search(line)]
     assert offenders == []
+
+
+def test_nothing_outside_the_tests_imports_from_them():
+    # Launching jobs and servers lives in trainer.jobs and trainer.servers: the demo and the benchmarks
+    # use the same code as the tests, and a package built from the repository does not need tests/.
+    importing = re.compile(r"^\s*(from tests[ .]|import tests\b)", re.M)
+    offenders = [
+        path
+        for path in _tracked_text_files()
+        if path.endswith(".py") and not path.startswith("tests/") and importing.search((REPO / path).read_text())
+    ]
+    assert offenders == []

@@ -23,7 +23,8 @@ import psutil
 import pytest
 import yaml
 
-from trainer.stack import INSTALL_HINT, Ports, derive_alertmanager_config, derive_prometheus_config
+from trainer.servers import INSTALL_HINT
+from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus" / "prometheus.yml"

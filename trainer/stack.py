@@ -23,9 +23,7 @@ import os
 import re
 import secrets
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,11 +37,11 @@ import yaml
 
 from .narrator import SCENARIOS, Narrator
 from .processes import Child, Children, StackError
+from .servers import find_binaries, free_port_block, port_is_free, start_alertmanager, start_prometheus
 
 __all__ = ["Ports", "derive_alertmanager_config", "derive_prometheus_config", "main"]
 
 REPO = Path(__file__).resolve().parent.parent
-INSTALL_HINT = "install them with: sudo apt-get install prometheus prometheus-alertmanager (or run `make bootstrap`)"
 #: The compose stack's addresses, as written in prometheus/prometheus.yml and alertmanager/alertmanager.yml.
 COMPOSE_METRICS_PORT = 9400
 _ADDRESS = re.compile(r"\b(trainer|alertmanager|prometheus|localhost|pager):(\d+)\b")
@@ -138,28 +136,6 @@ _FLAGS = {"prometheus": "--prometheus-port", "alertmanager": "--alertmanager-por
           "metrics": "--metrics-port"}  # fmt: skip
 
 
-def _is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # As the servers themselves do: a port with only TIME_WAIT connections left is free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _free_block(count: int) -> int:
-    """A base port whose `count` consecutive ports are free now (the kernel picks the first)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + count <= 65535 and all(_is_free(base + offset) for offset in range(count)):
-            return base
-    raise StackError(f"found no {count} consecutive free ports on 127.0.0.1")
-
-
 def choose_ports(args: argparse.Namespace) -> Ports:
     """The ports of this stack. One given on the command line must be free (else a one-line error naming
     its flag); a default that is taken (say, by a Prometheus of your own on 9090) is replaced by a free
@@ -170,23 +146,15 @@ def choose_ports(args: argparse.Namespace) -> Ports:
         given = getattr(args, f"{name}_port")
         port = default if given is None else given
         width = args.nproc if name == "metrics" else 1
-        if all(_is_free(port + offset) for offset in range(width)) and port not in chosen.values():
+        if all(port_is_free(port + offset) for offset in range(width)) and port not in chosen.values():
             chosen[name] = port
             continue
         what = f"ports {port}-{port + width - 1}" if width > 1 else f"port {port}"
         if given is not None:
             raise StackError(f"{what} ({name}) already in use; choose another with {_FLAGS[name]}")
-        chosen[name] = _free_block(width)
+        chosen[name] = free_port_block(width)
         print(f"trainer.stack: {what} ({name}) is taken; using {chosen[name]} instead ({_FLAGS[name]} to choose)")
     return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], args.pager_port)
-
-
-def _binaries() -> tuple[str, str]:
-    found = [shutil.which(name) for name in ("prometheus", "prometheus-alertmanager")]
-    missing = [name for name, path in zip(("prometheus", "prometheus-alertmanager"), found, strict=True) if not path]
-    if missing:
-        raise StackError(f"{' and '.join(missing)} not found on PATH; {INSTALL_HINT}")
-    return found[0], found[1]  # type: ignore[return-value]
 
 
 def _write_yaml(path: Path, data: dict) -> Path:
@@ -299,33 +267,12 @@ def _write_configs(run_dir: Path, ports: Ports, nproc: int, token: Path) -> tupl
 
 
 def _start_monitoring(children: Children, run_dir: Path, ports: Ports, nproc: int, token: Path) -> list[Child]:
-    """Alertmanager, then Prometheus (which sends to it); returns once both answer /-/ready."""
-    prometheus_bin, alertmanager_bin = _binaries()  # checked in run(); here for the paths
+    """Alertmanager, then Prometheus (which sends to it); returns once both are ready."""
     prom_config, am_config = _write_configs(run_dir, ports, nproc, token)
-    alertmanager = children.start(
-        "alertmanager",
-        [
-            alertmanager_bin,
-            f"--config.file={am_config}",
-            f"--storage.path={run_dir / 'alertmanager'}",
-            f"--web.listen-address=127.0.0.1:{ports.alertmanager}",
-            "--cluster.listen-address=",  # no HA gossip port: a single local instance
-        ],
-        log_path=run_dir / "logs" / "alertmanager.log",
-    )
-    prometheus = children.start(
-        "prometheus",
-        [
-            prometheus_bin,
-            f"--config.file={prom_config}",
-            f"--storage.tsdb.path={run_dir / 'prometheus'}",
-            f"--web.listen-address=127.0.0.1:{ports.prometheus}",
-        ],
-        log_path=run_dir / "logs" / "prometheus.log",
-    )
-    children.wait_http_ok(alertmanager, f"http://127.0.0.1:{ports.alertmanager}/-/ready", timeout=30)
-    children.wait_http_ok(prometheus, f"http://127.0.0.1:{ports.prometheus}/-/ready", timeout=30)
-    return [prometheus, alertmanager]
+    logs = run_dir / "logs"
+    alertmanager = start_alertmanager(children, am_config, run_dir, ports.alertmanager, logs / "alertmanager.log")
+    prometheus = start_prometheus(children, prom_config, run_dir, ports.prometheus, logs / "prometheus.log")
+    return [prometheus.child, alertmanager.child]
 
 
 def _supervise(stop: threading.Event, monitoring: list[Child], trainer: Child) -> None:
@@ -371,7 +318,7 @@ def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout:
 
 
 def run(args: argparse.Namespace) -> int:
-    _binaries()  # fail before touching anything if they are missing
+    find_binaries("prometheus", "prometheus-alertmanager")  # fail before touching anything if one is missing
     ports = choose_ports(args)
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,6 @@ delayed by it; tests/e2e/test_victoriametrics.py waits for that before it inject
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from typing import Any
 import yaml
 
 from .processes import Child, Children, StackError
+from .servers import find_binary
 
 __all__ = [
     "VICTORIA_METRICS_FLAGS",
@@ -92,13 +92,6 @@ def scrape_config(prometheus_config: dict[str, Any]) -> dict[str, Any]:
     return {"global": glob, "scrape_configs": prometheus_config["scrape_configs"]}
 
 
-def _binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise StackError(f"{name} not found on PATH; {INSTALL_HINT}")
-    return path
-
-
 class VictoriaStack:
     """victoria-metrics + vmagent + vmalert on loopback, as children of `children` (stopped with them)."""
 
@@ -135,7 +128,8 @@ class VictoriaStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         storage = self.children.start(
             "victoria-metrics",
-            [_binary("victoria-metrics"), f"-storageDataPath={self.workdir / 'victoria-metrics-data'}",
+            [find_binary("victoria-metrics", INSTALL_HINT),
+             f"-storageDataPath={self.workdir / 'victoria-metrics-data'}",
              f"-httpListenAddr=127.0.0.1:{self.ports.storage}", "-loggerLevel=WARN", *VICTORIA_METRICS_FLAGS],
             log_path=self.workdir / "victoria-metrics.log",
         )  # fmt: skip
@@ -146,7 +140,7 @@ class VictoriaStack:
         )
         vmagent = self.children.start(
             "vmagent",
-            [_binary("vmagent"), f"-promscrape.config={scrape_file}",
+            [find_binary("vmagent", INSTALL_HINT), f"-promscrape.config={scrape_file}",
              f"-remoteWrite.url={self.query_url}/api/v1/write",
              f"-remoteWrite.tmpDataPath={self.workdir / 'vmagent-data'}",
              # Strict: the derived file holds only what vmagent implements (its remote-write flush is 1 s already).
@@ -157,7 +151,7 @@ class VictoriaStack:
         self.children.wait_http_ok(vmagent, f"{self.vmagent_url}/health", timeout=30)
         self.vmalert = self.children.start(
             "vmalert",
-            [_binary("vmalert"), *(f"-rule={path}" for path in self.rule_files),
+            [find_binary("vmalert", INSTALL_HINT), *(f"-rule={path}" for path in self.rule_files),
              f"-datasource.url={self.query_url}", f"-remoteWrite.url={self.query_url}",
              f"-remoteRead.url={self.query_url}", f"-notifier.url={self.alertmanager_url}",
              f"-evaluationInterval={self.evaluation_interval}",

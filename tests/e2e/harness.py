@@ -37,7 +37,6 @@ import psutil
 import requests
 import yaml
 
-from tests.jobs.trainer_job import TrainerJob
 from tests.support import (
     REPO,
     WebhookSink,
@@ -49,6 +48,7 @@ from tests.support import (
     tail,
     unix_time,
 )
+from trainer.jobs import TrainerJob
 from trainer.processes import Children
 from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 from trainer.vmstack import VictoriaPorts, VictoriaStack

@@ -29,9 +29,9 @@ from tests.e2e.harness import (
     step_started_at,
     unix_time,
 )
-from tests.jobs.trainer_job import TrainerJob
 from tests.support import sample_value
 from trainer.checkpoint import read_checkpoint
+from trainer.jobs import TrainerJob
 from trainer.narrator import Narrator
 
 pytestmark = pytest.mark.e2e

@@ -1,25 +1,119 @@
-"""Launching the reference trainer (`torchrun -m trainer`) from tests, and reading what it did.
+"""Launching the reference trainer (and any script) under torchrun, and reading what it did.
 
-A :class:`TrainerJob` runs a config (default `trainer/configs/test.yaml`) on 2
-ranks with its own metrics ports on loopback, checkpoint directory and JSONL
-log (all under the job's directory), control off unless a test turns it on;
-`--set` overrides come after, so a test can point a second job at the first
-one's checkpoints. Tests read the log (per-step losses, events),
-scrape each rank's /metrics over HTTP, and may kill the whole job with SIGKILL.
+Used by the tests, the benchmarks and anything else that drives a real job from outside:
+`torchrun()` starts `torchrun --nproc_per_node=N` with the repository importable and its output in a
+log file; :class:`TrainerJob` runs `-m trainer` with its own ports, checkpoint directory and JSONL
+log, and reads the log, scrapes the ranks and ends the job. `samples()` / `sample_value()` read a
+/metrics page; `wait_for()` polls with a deadline (never a fixed sleep).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import fetch, samples, stop_process, tail, torchrun, wait_for
+__all__ = ["REPO", "TrainerJob", "fetch", "sample_value", "samples", "stop_process", "tail", "torchrun", "wait_for"]
+
+REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def torchrun(
+    nproc: int,
+    target: Sequence[str],
+    master_port: int,
+    extra_env: dict | None = None,
+    log: Path | None = None,
+    max_restarts: int = 0,
+) -> subprocess.Popen:
+    """Start `torchrun --nproc_per_node=nproc` on this machine with the repo importable.
+
+    `target` is e.g. ["examples/minimal_ddp.py", "--flag"] or ["-m", "trainer", ...].
+    Output goes to `log` (read it on failure) so a chatty job cannot fill a pipe.
+    """
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={master_port}",
+        f"--max-restarts={max_restarts}",
+        *target,
+    ]
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, diagnose: Callable[[], str] = lambda: "") -> T:
+    """Poll `check` until it returns something truthy, or fail naming `what` plus diagnostics."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # the thing may not be up yet
+            last_error = exc
+        time.sleep(0.1)
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error!r})\n{diagnose()}"
+    )
+
+
+def fetch(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def samples(page: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A /metrics page as {(sample name, sorted labels): value}."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+    }
+
+
+def sample_value(page_samples: dict, name: str, **labels: str) -> float | None:
+    """The one sample called `name` whose labels include `labels`."""
+    found = [v for (n, ls), v in page_samples.items() if n == name and set(labels.items()) <= set(ls)]
+    if len(found) > 1:
+        raise AssertionError(f"{name} {labels} matches {len(found)} samples")
+    return found[0] if found else None
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> int:
+    """Terminate a process (and let torchrun stop its workers); kill if it lingers."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 class TrainerJob:
@@ -124,8 +218,6 @@ class TrainerJob:
 
     def global_step(self, rank: int = 0) -> float:
         """The rank's rankscope_global_step, scraped (0 before the first step)."""
-        from tests.support import sample_value
-
         return sample_value(self.scrape(rank), "rankscope_global_step") or 0
 
     # --- ending it -------------------------------------------------------------------------------
