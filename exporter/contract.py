@@ -59,8 +59,6 @@ SPLIT_TIME_BUCKETS: tuple[float, ...] = (0.01, 0.1, 1.0)
 DATA_WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 2.5)
 #: Nothing reads a checkpoint's duration quantiles: two lines to tell a slow one from a very slow one.
 CHECKPOINT_BUCKETS: tuple[float, ...] = (10.0, 60.0)
-TEXT_LENGTH_BUCKETS: tuple[float, ...] = (16, 64, 256)
-IMAGE_SIDE_BUCKETS: tuple[float, ...] = (256, 1024)
 # fmt: on
 
 
@@ -88,8 +86,8 @@ class MetricSpec:
     buckets: tuple[float, ...] = ()
     #: Who records it: ``core`` (the exporter's Monitor), ``amp`` (the Monitor,
     #: when a GradScaler is watched), ``probe`` (sampled at scrape time),
-    #: ``control`` (the control channel), ``trainer`` (the reference trainer or
-    #: any loop that chooses to).
+    #: ``control`` (the control channel); a loop declaring its own metrics
+    #: (``Monitor(extra_metrics=...)``) names itself, e.g. ``trainer``.
     source: str = "core"
 
     def __post_init__(self) -> None:
@@ -320,65 +318,6 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m("paused", _G, "1 while training is paused by a control action, else 0.", source="control"),
-    # --- multimodal data and model statistics (the reference trainer) ----------
-    _m(
-        "contrastive_accuracy_ratio",
-        _G,
-        "In-batch retrieval accuracy of the contrastive model.",
-        unit="ratio",
-        labels=("split", "direction"),
-        source="trainer",
-    ),
-    _m("contrastive_temperature", _G, "Learned softmax temperature (1 / logit scale).", source="trainer"),
-    _m(
-        "text_length_tokens",
-        _H,
-        "Caption length in tokens, before padding.",
-        unit="tokens",
-        buckets=TEXT_LENGTH_BUCKETS,
-        source="trainer",
-    ),
-    _m(
-        "text_padding_ratio", _G, "Fraction of padding tokens in the latest text batch.", unit="ratio", source="trainer"
-    ),
-    _m(
-        "image_size_pixels",
-        _H,
-        "Source image side lengths (width and height alike) before resizing.",
-        unit="pixels",
-        buckets=IMAGE_SIDE_BUCKETS,
-        source="trainer",
-    ),
-    _m(
-        "image_channel_mean",
-        _G,
-        "Per-channel mean of the latest (normalised) image batch.",
-        labels=("channel",),
-        source="trainer",
-    ),
-    _m(
-        "image_channel_std",
-        _G,
-        "Per-channel standard deviation of the latest (normalised) image batch.",
-        labels=("channel",),
-        source="trainer",
-    ),
-    _m("fusion_gate_weight", _G, "Statistics of the fusion gate's weights.", labels=("stat",), source="trainer"),
-    _m(
-        "attention_entropy_nats",
-        _G,
-        "Mean attention entropy of a text-encoder layer (sampled on an interval).",
-        unit="nats",
-        labels=("layer",),
-        source="trainer",
-    ),
-    _m(
-        "data_skipped_samples_total",
-        _C,
-        "Samples skipped by the data set (missing or unreadable).",
-        labels=("reason",),
-        source="trainer",
-    ),
 )
 
 #: name -> spec, in declaration order.

@@ -29,7 +29,8 @@ from grafana_foundation_sdk.models import dashboard as dash_m
 from grafana_foundation_sdk.models import heatmap as heatmap_m
 from grafana_foundation_sdk.models import prometheus as prom_m
 
-from exporter.contract import MetricKind, metric
+from exporter.contract import PREFIX, MetricKind, metric
+from trainer.metrics import TRAINER_METRICS
 
 from .queries import REQUIRES_GPU_TAG, metric_names
 
@@ -79,9 +80,15 @@ FIRING_ALERTS = 'ALERTS{alertstate="firing", run_id=~"$run|"}'
 RATE = "$__rate_interval"
 
 
+#: The reference trainer's own metrics (its "Model and data" panels), declared beside the contract.
+_TRAINER = {spec.name: spec for spec in TRAINER_METRICS}
+
+
 def m(name: str, series: str = "") -> str:
-    """A contract metric's exposed name; `series` picks ``bucket``/``sum``/``count`` of a histogram."""
-    spec = metric(name)
+    """A contract (or reference-trainer) metric's exposed name; `series` picks ``bucket``/``sum``/``count`` of
+    a histogram."""
+    full = name if name.startswith(PREFIX) else PREFIX + name
+    spec = _TRAINER.get(full) or metric(name)
     if series:
         if spec.kind is not MetricKind.HISTOGRAM:
             raise ValueError(f"{spec.name} is a {spec.kind.value}, it has no _{series} series")

@@ -62,12 +62,14 @@ def promtool_problems(page: str) -> str:
 
 
 def _contract_series() -> dict[str, object]:
-    """Sample name -> contract spec, including the `_created` series prometheus_client adds to counters
-    and histograms."""
+    """Sample name -> spec of the contract or of the reference trainer's own metrics (it declares them
+    beside the contract), including the `_created` series prometheus_client adds to counters and histograms."""
     from exporter import METRICS, MetricKind
+    from trainer.metrics import TRAINER_METRICS
 
-    names = {name: spec for spec in METRICS.values() for name in spec.series_names}
-    for spec in METRICS.values():
+    specs = [*METRICS.values(), *TRAINER_METRICS]
+    names = {name: spec for spec in specs for name in spec.series_names}
+    for spec in specs:
         if spec.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM):
             names[spec.client_name + "_created"] = spec
     return names

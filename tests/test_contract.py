@@ -96,8 +96,13 @@ def test_a_loops_own_metrics_are_recorded_and_served_like_the_contracts(tmp_path
 
     mine = [
         MetricSpec("team_examples_seen_total", MetricKind.COUNTER, "Examples the loop read.", labels=("split",)),
-        MetricSpec("team_batch_length_tokens", MetricKind.HISTOGRAM, "Tokens per batch.", unit="tokens",
-                   buckets=(64, 256, 1024)),  # fmt: skip
+        MetricSpec(
+            "team_batch_length_tokens",
+            MetricKind.HISTOGRAM,
+            "Tokens per batch.",
+            unit="tokens",
+            buckets=(64, 256, 1024),
+        ),  # fmt: skip
         MetricSpec("team_kl_ratio", MetricKind.GAUGE, "KL to the reference policy.", unit="ratio"),
     ]
     config = MonitorConfig(host="127.0.0.1", base_port=0, probes=(), page_cache_seconds=0)

@@ -22,6 +22,7 @@ from trainer.checkpoint import (
     read_checkpoint,
     write_atomically,
 )
+from trainer.metrics import TRAINER_METRICS
 from trainer.runtime import Runtime
 
 LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
@@ -52,7 +53,13 @@ def runtime():
 @pytest.fixture
 def monitor() -> Monitor:
     identity = RankIdentity("test", 0, 0, 1, "host")
-    return Monitor(MonitorConfig(base_port=0, probes=()), identity, device="cpu", registry=CollectorRegistry())
+    return Monitor(
+        MonitorConfig(base_port=0, probes=()),
+        identity,
+        device="cpu",
+        registry=CollectorRegistry(),
+        extra_metrics=TRAINER_METRICS,
+    )
 
 
 def test_a_written_checkpoint_reads_back(tmp_path: Path) -> None:

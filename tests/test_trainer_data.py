@@ -26,6 +26,7 @@ from trainer.data import (
     read_manifest,
     settle_bad_samples,
 )
+from trainer.metrics import TRAINER_METRICS
 from trainer.tokenizer import WordTokenizer
 
 # --- synthetic shapes ---------------------------------------------------------------------------
@@ -172,7 +173,13 @@ def test_an_image_that_breaks_after_the_check_reaches_the_loop_as_a_bad_sample_n
 
 def _monitor() -> Monitor:
     identity = RankIdentity("test", 0, 0, 1, "host")
-    return Monitor(MonitorConfig(base_port=0, probes=()), identity, device="cpu", registry=CollectorRegistry())
+    return Monitor(
+        MonitorConfig(base_port=0, probes=()),
+        identity,
+        device="cpu",
+        registry=CollectorRegistry(),
+        extra_metrics=TRAINER_METRICS,
+    )
 
 
 def test_bad_samples_in_the_loop_raise_in_error_mode_and_are_counted_in_skip_mode() -> None:

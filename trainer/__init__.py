@@ -8,13 +8,11 @@ its public API only. One module per concept:
 - `data`, `tokenizer`: synthetic shapes or a manifest of your images; a word-level tokenizer.
 - `model`: the dual encoder, its contrastive loss and statistics.
 - `loop`: the Trainer; `checkpoint`: atomic save and resume; `faults`: fault injection.
-- `stats`, `logbook`: the trainer's own metrics; progress lines and a JSONL log.
+- `metrics`, `stats`, `logbook`: the trainer's own metrics (declared beyond the exporter's contract)
+  and their recording; progress lines and a JSONL log.
+- `jobs`, `servers`, `processes`, `stack`, `vmstack`, `narrator`: running it and the monitoring
+  servers on this machine (the demo, the tests and the benchmarks share them).
 - `runtime`: process group, device, seeds and RNG state.
 """
-
-from exporter._lazy import require
-
-# The reference trainer is an extra: `pip install rankscope` alone brings only what the exporter needs.
-require("trainer", "torchvision", "transformers", "PIL")
 
 __all__: list[str] = []

@@ -36,11 +36,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from exporter import RankIdentity, create_monitor, write_file_sd
 from exporter.control import ControlChannel
 
+from . import _extra  # noqa: F401 - first: the trainer extra's packages, or one line naming the missing one
 from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError
 from .config import TrainConfig
 from .data import Batch, DataError, build_data, settle_bad_samples
 from .faults import FaultInjector
 from .logbook import ProgressLog
+from .metrics import TRAINER_METRICS
 from .model import build_model, contrastive_accuracy, contrastive_loss
 from .runtime import Runtime, seed_everything, set_rng_state
 from .stats import record_accuracy, record_batch_stats, record_model_stats
@@ -86,7 +88,7 @@ class Trainer:
             model_name=cfg.metrics.model_name or f"clip-{cfg.model.image_encoder}",
             config_hash=cfg.metrics.config_hash or cfg.hash(),
         )
-        self.monitor = create_monitor(metrics, identity=identity, device=self.rt.device)
+        self.monitor = create_monitor(metrics, identity=identity, device=self.rt.device, extra_metrics=TRAINER_METRICS)
         self.monitor.start()
         if metrics.enabled and metrics.file_sd_path:
             write_file_sd(self.monitor, metrics.file_sd_path, metrics.advertise_host or None)  # collective
