@@ -204,8 +204,9 @@ def test_every_metric_a_rule_reads_is_looked_up_in_the_contract(metric_name, mon
 def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
     # The generator and a copy of the contract in which rankscope_grad_norm is renamed, laid out as in the repo.
     (tmp_path / "prometheus").mkdir()
-    (tmp_path / "exporter").mkdir()
+    (tmp_path / "exporter" / "control").mkdir(parents=True)
     shutil.copy(PROM / "generate_rules.py", tmp_path / "prometheus")
+    shutil.copy(REPO / "exporter" / "control" / "catalog.py", tmp_path / "exporter" / "control")
     contract = (REPO / "exporter" / "contract.py").read_text()
     assert contract.count('_m("grad_norm", ') == 1
     (tmp_path / "exporter" / "contract.py").write_text(contract.replace('_m("grad_norm", ', '_m("gradient_norm", '))
