@@ -61,6 +61,7 @@ from exporter import Monitor, MonitorConfig, RankIdentity
 from trainer.config import TrainConfig, load_config
 from trainer.data import Batch, build_data
 from trainer.loop import warmup_cosine
+from trainer.metrics import TRAINER_METRICS
 from trainer.model import DualEncoder, build_model, contrastive_accuracy, contrastive_loss
 from trainer.stats import record_accuracy, record_batch_stats, record_model_stats
 
@@ -258,7 +259,8 @@ class Variant:
         if self._monitor is None:
             assert self.monitor_config is not None
             identity = RankIdentity(run_id="bench", rank=0, local_rank=0, world_size=1, node="bench")
-            self._monitor = Monitor(self.monitor_config(work), identity, device="cpu")
+            # The trainer's own metrics (its statistics) are declared in trainer/, as any loop declares its own.
+            self._monitor = Monitor(self.monitor_config(work), identity, device="cpu", extra_metrics=TRAINER_METRICS)
             self._monitor.start()  # served as in a real run; scraped only where a benchmark says so
         return self._monitor
 
