@@ -165,6 +165,30 @@ def test_a_reduction_the_loop_overwrites_is_overridden_and_uses_no_cap_or_cooldo
     assert channel.lr_scale == 0.5
 
 
+@pytest.mark.parametrize("honour", [True, False], ids=["recipe", "overwrite"])
+def test_a_reduction_during_a_steep_warmup_is_judged_by_where_the_schedule_goes(make_channel, optimizer, honour):
+    # nanoGPT's warmup sets lr * (it + 1) / (warmup + 1) at the top of each iteration: the rate doubles from
+    # iteration 0 to 1 and grows by 1/3 to 2. Judged against the last rate alone, a halved rate that the
+    # loop honours (2 * 0.5 = 1x the last) would look overwritten; judged against where the schedule goes,
+    # the recipe is applied and an overwrite is still caught.
+    channel = make_channel()
+    handler = LoopHandler()
+
+    def warmup(it: int) -> float:
+        return 0.1 * (it + 1) / 11
+
+    for it in range(2):
+        optimizer.param_groups[0]["lr"] = warmup(it)
+        optimizer.step()
+        channel.at_step_boundary(it + 1, handler)
+    action_id = post(channel, "reduce_lr", lr_factor=0.5)
+    channel.at_step_boundary(2, handler)
+    optimizer.param_groups[0]["lr"] = warmup(2) * (channel.lr_scale if honour else 1.0)
+    optimizer.step()
+    channel.at_step_boundary(3, handler)
+    assert recent(channel)[action_id]["status"] == ("applied" if honour else "overridden")
+
+
 def test_no_factor_takes_a_rate_below_its_floor_relative_to_the_starting_rate(make_channel, optimizer):
     channel = make_channel()
     action_id = post(channel, "reduce_lr", lr_factor=1e-300)

@@ -7,9 +7,13 @@ An action is carried out at a step boundary, but some effects are only visible l
   overwrites them before the optimizer ever uses them. So the rates are read again when the
   optimizer next steps (a step pre-hook): the reduction took effect when every reduced group's
   rate is at most the geometric mean of its reduced and its unreduced rate, i.e. closer to the
-  reduced one. A scheduler stepping after the optimizer leaves exactly the written rate; a loop
-  that multiplies in `ControlChannel.lr_scale` sets about the reduced one; a loop that overwrites
-  sets about the unreduced one.
+  reduced one. The unreduced rate is where the schedule was going: the last rate plus the growth
+  of the last optimizer step (a warmup doubles the rate at its first steps, so the last rate alone
+  would make an honoured halving look overwritten); a falling schedule is judged against the last
+  rate. A scheduler stepping after the optimizer leaves exactly the written rate; a loop that
+  multiplies in `ControlChannel.lr_scale` sets about the reduced one; a loop that overwrites sets
+  about the unreduced one. Exact for linear warmups; a reduction after the first optimizer step
+  has no growth to go by.
 - `checkpoint` may be written later by a framework (the Hugging Face Trainer saves after the
   step's callbacks): the handler then returns a callable that tells when it was written.
 - `stop` is done when the loop leaves (the channel is closed), not when it was asked.
@@ -41,6 +45,8 @@ class LRReductionCheck:
     before: list[float]
     written: list[float]
     used: list[float] | None = None
+    growth: list[float] = field(default_factory=list)
+    """Per group, how much the rate rose at the last optimizer step (0 where it fell or is unknown)."""
 
     def __call__(self) -> Verdict:
         if self.used is None:
@@ -48,7 +54,8 @@ class LRReductionCheck:
         for group, (old, new, used) in enumerate(zip(self.before, self.written, self.used, strict=False)):
             if not (new < old) or math.isnan(used):
                 continue  # not reduced (at its floor), or a device tensor the host cannot read without a sync
-            if used > math.sqrt(old * new) * (1 + 1e-9):
+            unreduced = old + (self.growth[group] if group < len(self.growth) else 0.0)
+            if used > unreduced * math.sqrt(new / old) * (1 + 1e-9):
                 return (
                     f"the loop overwrote the reduced learning rate of param group {group} before the optimizer "
                     f"used it ({used:.3g} used, {new:.3g} written, {old:.3g} before); multiply your rate by "
@@ -67,18 +74,27 @@ class OptimizerWatch:
     peak: list[float] = field(default_factory=list)
     _waiting: list[LRReductionCheck] = field(default_factory=list)
     _handle: Any = None
+    _last: list[float] = field(default_factory=list)
+    _previous: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.peak = _finite_or_zero(current_learning_rates(self.optimizer))
         self._handle = self.optimizer.register_step_pre_hook(self._before_step)
 
     def expect(self, check: LRReductionCheck) -> LRReductionCheck:
-        """Fill `check.used` with the rates of the next optimizer step."""
+        """Fill `check.used` with the rates of the next optimizer step; `check.growth` with the last step's rise."""
+        check.growth = self.growth()
         self._waiting.append(check)
         return check
 
+    def growth(self) -> list[float]:
+        """Per group, how much the rate rose from the optimizer's second-last step to its last (0 if it fell)."""
+        rises = [last - previous for last, previous in zip(self._last, self._previous, strict=False)]
+        return [rise if math.isfinite(rise) and rise > 0 else 0.0 for rise in rises]
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         rates = current_learning_rates(optimizer)
+        self._previous, self._last = self._last, rates
         self.peak = [max(p, r) if not math.isnan(r) else p for p, r in zip(self.peak, rates, strict=False)]
         self.peak += _finite_or_zero(rates[len(self.peak) :])
         for check in self._waiting:
