@@ -12,6 +12,9 @@ command -v prometheus-alertmanager >/dev/null 2>&1 || need_apt+=(prometheus-aler
 command -v victoria-metrics >/dev/null 2>&1 || need_apt+=(victoria-metrics)
 # The run report's test renders its page headless.
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+python=${PYTHON:-python3}
+# Debian's python3 makes virtual environments only with python3-venv (ensurepip) installed.
+"$python" -c 'import ensurepip' >/dev/null 2>&1 || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -23,14 +26,14 @@ fi
 # Prometheus or Alertmanager already running here (the Debian packages may start
 # theirs) is left alone: we never stop a process we did not start.
 
-python=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
+# A venv without pip is one a failed earlier run left half made: make it again.
+if [ ! -x .venv/bin/pip ]; then
   echo "bootstrap: creating .venv"
-  "$python" -m venv .venv
+  "$python" -m venv --clear .venv
 fi
 stamp=.venv/.rankscope-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "bootstrap: installing the project into .venv (torch takes a minute or two)"
+  echo "bootstrap: installing the project into .venv (torch is a large download on a machine without it cached)"
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[dev]'
   touch "$stamp"
