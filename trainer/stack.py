@@ -225,8 +225,10 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
 def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path) -> str:
     lines = [
         "rankscope stack is up (Ctrl-C stops everything):",
-        f"  Prometheus      http://127.0.0.1:{ports.prometheus}",
-        f"  Alertmanager    http://127.0.0.1:{ports.alertmanager}",
+        # Debian's Prometheus serves its pages under /classic/; its Alertmanager has no web UI.
+        f"  Prometheus      http://127.0.0.1:{ports.prometheus}/classic/alerts",
+        f"  Alertmanager    http://127.0.0.1:{ports.alertmanager}  (no web UI: amtool "
+        f"--alertmanager.url=http://127.0.0.1:{ports.alertmanager} alert query)",
         *(f"  rank {r} metrics  http://127.0.0.1:{ports.metrics + r}/metrics" for r in range(nproc)),
         f"  control         http://127.0.0.1:{ports.control}/v1/status  (bearer token in {token})",
         "  Grafana         not started here: import grafana/dashboards/*.json (datasource uid rankscope-prometheus)",
