@@ -148,7 +148,7 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     job = trainer_job(
         "control",
         # A checkpoint every step: the stop falls on an interval step and must still write only one.
-        ["run.max_steps=1000", "checkpoint.every_steps=1", "checkpoint.keep=2", "control.endpoint=true",
+        ["run.max_steps=100000", "checkpoint.every_steps=1", "checkpoint.keep=2", "control.endpoint=true",
          f"control.port={port}", f"control.token_file={tmp_path / 'token'}"],
     )  # fmt: skip
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
@@ -174,7 +174,7 @@ def test_operator_actions_act_on_every_rank_and_stop_ends_the_run_cleanly(traine
     stop = job.records("checkpoint")[-1]
     assert stop["reason"] == "stop:operator:maintenance"
     assert job.records("finished")[0]["stopped"] == "operator:maintenance"
-    assert job.records("finished")[0]["step"] == stop["step"] < 1000
+    assert job.records("finished")[0]["step"] == stop["step"] < 100000
     assert [r for r in job.records("checkpoint") if r["step"] == stop["step"]] == [stop]  # not interval + stop
     assert checkpoint_files(job.checkpoint_dir)[0].step == stop["step"]
 

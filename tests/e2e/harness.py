@@ -79,6 +79,9 @@ LOG_EVERY = 10
 #: A run that ends cleanly keeps serving this long, so Prometheus scrapes its `rankscope_run_finished` = 1
 #: (without it, the rank-down alert takes the finished ranks for dead ones).
 LINGER_SECONDS = 3 * INTERVAL_SECONDS
+#: Runs that wait on events go on until the test stops them (`Stack.stop_trainer`): on a loaded machine a
+#: fixed number of steps can end before the alert fires (or the loss recovers).
+UNTIL_STOPPED = 100_000
 
 
 def generate_rules(out: Path, settings: Sequence[str]) -> Path:

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image, ImageStat
 
 from exporter.report.sections import SECTIONS
-from tests.e2e.harness import Stack
+from tests.e2e.harness import UNTIL_STOPPED, Stack
 from tests.support import REPO
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +76,7 @@ def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
     st = module_stack("report")
     job = st.start_trainer(
         [f"faults.nonfinite.at_step={NAN_AT}", f"faults.nonfinite.steps={NAN_STEPS}", "faults.nonfinite.rank=0"],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     (applied,) = st.wait(lambda: st.settled("reduce_lr"), "the alert's reduce_lr", timeout=180)
     assert applied["reason"] == "alert:RankscopeNonFiniteSteps", applied

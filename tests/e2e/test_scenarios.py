@@ -23,6 +23,7 @@ from grafana.queries import panel_queries
 from tests.e2e.harness import (
     LINGER_SECONDS,
     RATE_INTERVAL,
+    UNTIL_STOPPED,
     Stack,
     record_latency,
     short_labels,
@@ -42,9 +43,6 @@ GIB = 1024**3
 MEMORY_MARGIN = GIB
 #: Latency that fails a scenario: well above the 5 s target, so a loaded CI machine does not flake.
 LATENCY_LIMIT_SECONDS = 20.0
-#: Scenarios that wait on events run until the test stops them: on a loaded machine a fixed number of steps
-#: can end before the alert fires (or the loss recovers).
-UNTIL_STOPPED = 100_000
 
 
 def _action_alerts_fired(stack: Stack) -> list[str]:
@@ -268,7 +266,10 @@ CRASH_AT = 25  # checkpoints every 10 steps (test.yaml): the restart resumes fro
 def test_a_crashed_rank_fires_rank_down_and_the_job_resumes_from_its_last_checkpoint(stack) -> None:
     st = stack("crash")
     job = st.start_trainer(
-        [f"faults.crash.at_step={CRASH_AT}", "faults.crash.rank=1"], max_steps=600, resume="auto", max_restarts=1
+        [f"faults.crash.at_step={CRASH_AT}", "faults.crash.rank=1"],
+        max_steps=UNTIL_STOPPED,
+        resume="auto",
+        max_restarts=1,
     )
     st.wait_for_firing("RankscopeRankDown", timeout=120, rank="1")
     st.pager.wait_for(

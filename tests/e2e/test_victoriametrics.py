@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.harness import Stack, record_latency, step_started_at
+from tests.e2e.harness import UNTIL_STOPPED, Stack, record_latency, step_started_at
 from tests.e2e.test_scenarios import DIVERGE_AT, DIVERGE_FACTOR, LATENCY_LIMIT_SECONDS, REDUCE_FACTOR, _lr_drops
 from tests.support import sample_value
 
@@ -50,7 +50,7 @@ def test_a_diverging_loss_is_acted_on_by_both_ranks_through_victoriametrics_and_
             f"faults.diverge.lr_factor={DIVERGE_FACTOR}",
             f"control.lr_factor={REDUCE_FACTOR}",
         ],
-        max_steps=600,
+        max_steps=UNTIL_STOPPED,
     )
     # Held just before the fault, the model trained, until both ranks' series are in VictoriaMetrics (through
     # vmagent, under the ranks' own identity labels) and the recorded loss the alert reads has caught up.
