@@ -16,8 +16,10 @@ import yaml
 
 from exporter.cli import build_parser
 from exporter.control import ControlChannel, ControlConfig
-from exporter.control.catalog import CATALOG, RESULTS
+from exporter.control.actions import ActionRequest
+from exporter.control.catalog import CATALOG, RESULTS, check_result
 from exporter.control.limits import ActionLimits
+from exporter.control.state import ActionQueue
 from tests.support import REPO
 
 NAMES = [spec.name for spec in CATALOG]
@@ -97,3 +99,13 @@ def test_a_drifted_copy_is_caught(drift):
     listed = NAMES[1:] if drift == "drop" else [*NAMES, "rollback"]
     route["matchers"] = [f'action=~"{"|".join(listed)}"']
     assert route_problems(alertmanager) != []
+
+
+def test_an_outcome_outside_the_catalog_is_refused_where_outcomes_are_recorded():
+    queue = ActionQueue()
+    queue.submit([ActionRequest(action="pause", source="operator", reason="operator:r")])
+    (taken,) = queue.take()
+    with pytest.raises(ValueError, match="'done' is not one of exporter.control.catalog.RESULTS"):
+        queue.settle(taken, "done", 1)
+    assert queue.settle(taken, "applied", 1).status == "applied"
+    assert {check_result(result) for result in RESULTS} == set(RESULTS)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATALOG", "RESULTS", "ActionSpec", "Parameter", "action_spec", "parameter_owners"]
+__all__ = ["CATALOG", "RESULTS", "ActionSpec", "Parameter", "action_spec", "check_result", "parameter_owners"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,13 @@ RESULTS: dict[str, str] = {
     "duplicate": "an alert (fingerprint, startsAt) already received",
     "ignored": "a resolved alert, or one without an `action` label",
 }
+
+
+def check_result(result: str) -> str:
+    """`result`, if it is one of RESULTS; else ValueError (an outcome nobody documented is a bug here)."""
+    if result not in RESULTS:
+        raise ValueError(f"control result {result!r} is not one of exporter.control.catalog.RESULTS")
+    return result
 
 
 def action_spec(name: str) -> ActionSpec | None:

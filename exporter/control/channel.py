@@ -55,7 +55,7 @@ from ..identity import RankIdentity
 from ..instruments import Instruments
 from .actions import ActionRequest
 from .app import AppDeps, create_app
-from .catalog import action_spec
+from .catalog import action_spec, check_result
 from .collective import agree_on_worst, broadcast_json, exchange
 from .config import ControlConfig, load_token
 from .effects import Check, LRReductionCheck, OptimizerWatch
@@ -535,6 +535,7 @@ class ControlChannel:
 
     def _count(self, action: str, source: str, result: str) -> None:
         # Rank 0 only: the channel's decisions happen there, so a sum over ranks counts each once.
+        check_result(result)  # the `result` label's values are the catalog's, and no others
         self._instruments.child(PREFIX + "control_actions_total", action=action, source=source, result=result).inc()
 
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .actions import ActionRequest, RequestError
+from .catalog import check_result
 
 __all__ = ["ActionQueue", "ActionRecord", "RunSnapshot", "Submitted"]
 
@@ -177,7 +178,8 @@ class ActionQueue:
         return noted
 
     def settle(self, record: ActionRecord, status: str, step: int, detail: str = "") -> ActionRecord:
-        """Record the outcome of a taken request."""
+        """Record the outcome of a taken request (one of catalog.RESULTS: what /v1/status and the docs promise)."""
+        check_result(status)
         settled = replace(record, status=status, step=step, settled_at=self._clock(), detail=detail)
         with self._lock:
             self._taken.pop(record.id, None)
