@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -111,3 +113,19 @@ def trainer_job(tmp_path_factory):
     yield start
     for job in jobs:
         job.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A real 1 MiB file system (tmpfs), so a checkpoint runs out of space as on a full disk."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("a 1 MiB tmpfs needs root (mount -t tmpfs) on this machine")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

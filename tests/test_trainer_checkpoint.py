@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -233,22 +232,6 @@ def test_a_failed_save_is_counted_logged_remembered_and_training_goes_on(
     value = monitor.registry.get_sample_value
     assert value("rankscope_checkpoints_total", {**LABELS, "reason": "operator"}) is None
     assert value("rankscope_checkpoint_failures_total", {**LABELS, "reason": "io_error"}) == 1
-
-
-@pytest.fixture
-def tiny_disk(tmp_path: Path):
-    """A real 1 MiB file system (tmpfs), so a checkpoint runs out of space as on a full disk."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-        ).returncode
-    ):
-        pytest.skip("a 1 MiB tmpfs needs root (mount -t tmpfs) on this machine")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_full_disk_is_named_as_such_with_the_free_space(tiny_disk: Path, runtime, monitor) -> None:

@@ -145,3 +145,28 @@ def test_the_command_line_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == "trainer: error: optim.lr must be of type float, got str 'fast'"
+
+
+def test_a_control_section_that_names_only_a_port_serves_the_endpoint_there() -> None:
+    # Before the typed section, `control: {port: 9300}` silently turned the endpoint off (a second default).
+    control = parse_config({"control": {"port": 9300}}).control
+    assert control.endpoint is True and control.port == 9300
+    assert parse_config({}).control.endpoint is False  # no section: no endpoint (signals still stop cleanly)
+
+
+def test_a_key_given_twice_is_one_line_naming_both_lines(tmp_path: Path) -> None:
+    config = tmp_path / "twice.yaml"
+    config.write_text("run:\n  max_steps: 10\n  max_steps: 20\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert str(caught.value) == (
+        f"{config}: duplicate key 'max_steps' at line 3 (first at line 2); each setting may appear once"
+    )
+
+
+def test_a_binary_file_given_as_config_is_one_line_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "model.pt"
+    config.write_bytes(b"PK\x03\x04\x00\xff\xfe binary")
+    with pytest.raises(ConfigError) as caught:
+        load_config(config)
+    assert str(caught.value) == f"config {config} is not a YAML text file (not UTF-8 at byte 5)"

@@ -232,3 +232,17 @@ def test_the_demo_config_without_a_control_token_stops_at_start_with_one_line(tm
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("trainer: error: the control endpoint needs a bearer token: set control.token_file")
+
+
+def test_a_run_whose_checkpoints_failed_trains_on_then_exits_3_naming_the_last_failure(
+    tmp_path: Path, tiny_disk
+) -> None:
+    # A 1 MiB disk: the start-up writability check passes, every checkpoint then runs out of space.
+    result = _run_cli(tmp_path, f"checkpoint.dir={tiny_disk}", "run.max_steps=4", "checkpoint.every_steps=2")
+    assert result.returncode == 3, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4]  # training went on
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer: error: 3 checkpoint(s) could not be written; last: "), last
+    assert "no space left on device" in last
+    assert list(tiny_disk.iterdir()) == []
