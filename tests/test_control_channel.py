@@ -99,6 +99,17 @@ def test_an_insecure_channel_starts_without_a_token(monitor, monkeypatch, caplog
         channel.close()
 
 
+def test_an_insecure_endpoint_on_every_interface_says_so(monitor, monkeypatch, caplog):
+    # Anyone who can reach the port can act on the run: the warning must say how far that reaches.
+    monkeypatch.delenv("RANKSCOPE_CONTROL_TOKEN", raising=False)
+    with caplog.at_level("WARNING", logger="rankscope"):
+        channel = ControlChannel(ControlConfig(host="0.0.0.0", port=0, insecure=True), monitor)
+    try:
+        assert "0.0.0.0:" in caplog.text and "(every interface) WITHOUT a token" in caplog.text
+    finally:
+        channel.close()
+
+
 def test_a_taken_port_fails_with_the_setting_named(make_channel):
     first = make_channel()
     with pytest.raises(ControlStartError, match="already in use; stop the other process or change control.port"):
