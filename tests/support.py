@@ -187,3 +187,17 @@ class WebhookSink:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def hold_paused(
+    both: Callable[[str], tuple[float | None, float | None]], step: float, seconds: float, diagnose: Callable[[], str]
+) -> None:
+    """Watch a 2-rank job for `seconds`: both ranks must stay paused at `step` the whole time.
+
+    `both(name)` reads a metric's value on rank 0 and rank 1. A state that must hold over a span of time is
+    observed over that span (the pause outliving the process group's timeout is what is tested)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert both("rankscope_paused") == (1, 1), diagnose()
+        assert both("rankscope_global_step") == (step, step), diagnose()
+        time.sleep(0.5)

@@ -9,7 +9,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.support import (
     contract_families,
     contract_violations,
     fetch,
+    hold_paused,
     promtool_problems,
     sample_value,
     samples,
@@ -198,15 +198,6 @@ class _Job:
         return tail(self.log)
 
 
-def _hold_paused(job: _Job, step: float, seconds: float) -> None:
-    """Poll for `seconds`: both ranks must stay paused at `step` the whole time."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert job.both("rankscope_paused") == (1, 1), job.diagnose()
-        assert job.both("rankscope_global_step") == (step, step), job.diagnose()
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def controlled_run(tmp_path_factory):
     """2 processes steered over HTTP: reduce_lr and checkpoint, a pause longer than the process group's
@@ -241,7 +232,7 @@ def controlled_run(tmp_path_factory):
         pause = job.settled([job.act("pause", reason="test")])
         wait_for(lambda: job.both("rankscope_paused") == (1, 1), 30, "both ranks paused", job.diagnose)
         paused_at = job.value(0, "rankscope_global_step")
-        _hold_paused(job, paused_at, DDP_TIMEOUT + 2)
+        hold_paused(job.both, paused_at, DDP_TIMEOUT + 2, job.diagnose)
         resume = job.settled([job.act("resume", reason="test")])
         wait_for(lambda: min(job.both("rankscope_global_step")) > paused_at, 60, "steps after resume", job.diagnose)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,6 +24,7 @@ from tests.support import (
     contract_violations,
     fetch,
     free_port,
+    hold_paused,
     promtool_problems,
     sample_value,
     samples,
@@ -311,15 +311,6 @@ def _both(job: LightningJob, name: str) -> tuple[float | None, float | None]:
     return tuple(sample_value(samples(_page(job, rank)), name) for rank in (0, 1))
 
 
-def _hold_paused(job: LightningJob, step: int, seconds: float) -> None:
-    """Poll for `seconds`: both ranks must stay paused at `step` the whole time."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert _both(job, "rankscope_paused") == (1, 1), job.diagnose()
-        assert _both(job, "rankscope_global_step") == (step, step), job.diagnose()
-        time.sleep(0.5)
-
-
 def _reached(job: LightningJob, step: int) -> bool:
     return all(job.step_lines(rank) and job.step_lines(rank)[-1]["step"] >= step for rank in (0, 1))
 
@@ -339,7 +330,7 @@ def ddp_job(tmp_path_factory):
 
         pause = job.wait_settled(job.post_action("pause"))
         job.wait_for(lambda: _both(job, "rankscope_paused") == (1, 1), "both ranks paused")
-        _hold_paused(job, pause["step"], HOLD)
+        hold_paused(lambda name: _both(job, name), pause["step"], HOLD, job.diagnose)
         resume = job.wait_settled(job.post_action("resume"))
         job.wait_for(lambda: _reached(job, pause["step"] + 2), "steps after resume")
 

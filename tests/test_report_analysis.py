@@ -7,6 +7,7 @@ import pytest
 
 from exporter.report.analysis import align, rate_of_change, ratio_to_median, rolling_correlation, straggler
 from exporter.report.series import Series
+from tests.report_series import compute_per_rank
 
 TIMES = 1_800_000_000.0 + 5.0 * np.arange(100)
 
@@ -55,14 +56,7 @@ def test_align_pairs_values_at_the_times_both_series_have() -> None:
 
 
 def _compute(ranks: int, slow: int | None = None, factor: float = 2.0, from_index: int = 0) -> list[Series]:
-    rng = np.random.default_rng(3)
-    out = []
-    for rank in range(ranks):
-        values = 0.1 * (1 + 0.02 * rng.standard_normal(len(TIMES)))
-        if rank == slow:
-            values[from_index:] *= factor
-        out.append(Series({"rank": str(rank)}, TIMES, values))
-    return out
+    return compute_per_rank(TIMES, ranks, slow, factor, from_index, seed=3)
 
 
 def test_the_straggler_is_the_rank_far_above_the_median() -> None:

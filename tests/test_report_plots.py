@@ -19,6 +19,7 @@ from exporter.report.analysis import straggler
 from exporter.report.attention import AttentionSnapshot
 from exporter.report.incidents import ActionEvent, AlertEpisode, Incidents
 from exporter.report.series import Series
+from tests.report_series import compute_per_rank
 
 T0 = 1_800_000_000.0
 STEP = 5.0
@@ -48,14 +49,7 @@ def _texts(figure) -> str:
 
 
 def _compute(ranks: int, slow: int | None = None, factor: float = 2.0) -> list[Series]:
-    rng = np.random.default_rng(0)
-    out = []
-    for rank in range(ranks):
-        values = 0.1 + 0.005 * rng.standard_normal(len(TIMES))
-        if rank == slow:
-            values[40:] *= factor
-        out.append(_rank(rank, values))
-    return out
+    return compute_per_rank(TIMES, ranks, slow, factor, from_index=40, noise=0.05)
 
 
 def _incidents() -> Incidents:

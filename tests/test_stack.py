@@ -15,7 +15,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import psutil
 import pytest
 import yaml
 
+from trainer.jobs import wait_for
 from trainer.servers import INSTALL_HINT
 from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 
@@ -157,18 +157,15 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         launcher = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     started: list[psutil.Process] = []
     try:
-        deadline, last = time.monotonic() + 300, []
-        while time.monotonic() < deadline:
-            assert launcher.poll() is None, f"launcher exited early:\n{log_path.read_text()[-4000:]}"
-            try:
-                last = _rank_targets(ports["--prometheus-port"])
-            except OSError:
-                last = []
-            if len(last) == 2 and all(t["health"] == "up" for t in last):
-                break
-            time.sleep(1)  # poll interval of the Prometheus API
-        else:
-            pytest.fail(f"ranks never up in Prometheus; targets {last}\nlauncher:\n{log_path.read_text()[-4000:]}")
+
+        def ranks_up() -> list | str | None:
+            if launcher.poll() is not None:
+                return "exited"  # fail now, not at the deadline
+            targets = _rank_targets(ports["--prometheus-port"])  # OSError until Prometheus listens: retried
+            return targets if len(targets) == 2 and all(t["health"] == "up" for t in targets) else None
+
+        up = wait_for(ranks_up, 300, "both ranks up in Prometheus", lambda: log_path.read_text()[-4000:])
+        assert up != "exited", f"launcher exited early:\n{log_path.read_text()[-4000:]}"
 
         started = psutil.Process(launcher.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in started)

@@ -151,7 +151,8 @@ class CheckpointConfig:
     """Where and when checkpoints are written (rank 0 writes; every rank takes part)."""
 
     dir: str = "checkpoints"
-    """Directory of `step_XXXXXXXX.pt` files; must be shared by all nodes of a multi-node run."""
+    """Directory of `step_XXXXXXXX-LINEAGE.pt` files (a run prunes only its own lineage); must be shared by
+    all nodes of a multi-node run."""
     every_steps: int = 100
     """Write a checkpoint every N steps (0 = only at the end and on request)."""
     keep: int = 3
