@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from trainer.jobs import REPO, fetch, sample_value, samples, stop_process, tail, torchrun, wait_for
 from trainer.processes import Children, StackError
@@ -201,3 +202,15 @@ def hold_paused(
         assert both("rankscope_paused") == (1, 1), diagnose()
         assert both("rankscope_global_step") == (step, step), diagnose()
         time.sleep(0.5)
+
+
+def trainer_monitor() -> Any:
+    """A rank-0 Monitor with the reference trainer's own metrics, its own registry, no server and no probes."""
+    from prometheus_client import CollectorRegistry
+
+    from exporter import Monitor, MonitorConfig, RankIdentity
+    from trainer.metrics import TRAINER_METRICS
+
+    identity = RankIdentity("test", 0, 0, 1, "host")
+    config = MonitorConfig(base_port=0, probes=())
+    return Monitor(config, identity, device="cpu", registry=CollectorRegistry(), extra_metrics=TRAINER_METRICS)

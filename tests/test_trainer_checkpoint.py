@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from exporter import Monitor, MonitorConfig, RankIdentity
+from exporter import Monitor
+from tests.support import trainer_monitor
 from trainer.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpointer,
@@ -21,7 +21,6 @@ from trainer.checkpoint import (
     read_checkpoint,
     write_atomically,
 )
-from trainer.metrics import TRAINER_METRICS
 from trainer.runtime import Runtime
 
 LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
@@ -51,14 +50,7 @@ def runtime():
 
 @pytest.fixture
 def monitor() -> Monitor:
-    identity = RankIdentity("test", 0, 0, 1, "host")
-    return Monitor(
-        MonitorConfig(base_port=0, probes=()),
-        identity,
-        device="cpu",
-        registry=CollectorRegistry(),
-        extra_metrics=TRAINER_METRICS,
-    )
+    return trainer_monitor()
 
 
 def test_a_written_checkpoint_reads_back(tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader
 
-from exporter import Monitor, MonitorConfig, RankIdentity
+from exporter import Monitor
+from tests.support import trainer_monitor
 from trainer.config import DataConfig, SyntheticConfig
 from trainer.data import (
     COLOURS,
@@ -26,7 +26,6 @@ from trainer.data import (
     read_manifest,
     settle_bad_samples,
 )
-from trainer.metrics import TRAINER_METRICS
 from trainer.tokenizer import WordTokenizer
 
 # --- synthetic shapes ---------------------------------------------------------------------------
@@ -172,14 +171,7 @@ def test_an_image_that_breaks_after_the_check_reaches_the_loop_as_a_bad_sample_n
 
 
 def _monitor() -> Monitor:
-    identity = RankIdentity("test", 0, 0, 1, "host")
-    return Monitor(
-        MonitorConfig(base_port=0, probes=()),
-        identity,
-        device="cpu",
-        registry=CollectorRegistry(),
-        extra_metrics=TRAINER_METRICS,
-    )
+    return trainer_monitor()
 
 
 def test_bad_samples_in_the_loop_raise_in_error_mode_and_are_counted_in_skip_mode() -> None:

@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
-from exporter import Monitor, MonitorConfig, RankIdentity
+from exporter import Monitor
+from tests.support import trainer_monitor
 from trainer.config import ModelConfig
 from trainer.data import Collate, ShapesDataset, image_transform
-from trainer.metrics import TRAINER_METRICS
 from trainer.model import build_model
 from trainer.stats import channel_mean_std, record_accuracy, record_batch_stats, record_model_stats
 from trainer.tokenizer import WordTokenizer
@@ -21,14 +20,7 @@ LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
 
 @pytest.fixture
 def monitor() -> Monitor:
-    identity = RankIdentity("test", 0, 0, 1, "host")
-    return Monitor(
-        MonitorConfig(base_port=0, probes=()),
-        identity,
-        device="cpu",
-        registry=CollectorRegistry(),
-        extra_metrics=TRAINER_METRICS,
-    )
+    return trainer_monitor()
 
 
 @pytest.fixture(scope="module")
