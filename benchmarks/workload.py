@@ -266,7 +266,10 @@ class Variant:
 
     def writer(self) -> Any:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+            from exporter._lazy import require
+
+            require("bench", "tensorboard")  # the hand-written variant logs as tutorials do: one line if missing
+            from torch.utils.tensorboard import SummaryWriter
 
             self._tmp = tempfile.TemporaryDirectory(prefix="rankscope-bench-tb-")
             self._writer = SummaryWriter(self._tmp.name)
