@@ -40,6 +40,11 @@ class MonitorConfig:
     """Consecutive candidate steps before a spike is counted (once per episode)."""
     probes: tuple[str, ...] = ("host", "device", "nvml")
     """Resource probes sampled at scrape time."""
+    step_peak_memory: bool = False
+    """On CUDA, record each step's peak allocated device memory (rankscope_step_peak_device_memory_bytes): the
+    allocator's peak is reset as every step begins (host-side counters, no device sync), so your own
+    torch.cuda.max_memory_allocated() and device_memory_bytes{kind="peak"} then read the peak since the current
+    step began. Off by default for that reason; nothing happens on CPU, which has no device memory."""
     model_name: str = ""
     """Goes into rankscope_run_info."""
     config_hash: str = ""

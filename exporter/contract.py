@@ -85,7 +85,9 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     #: Who records it: ``core`` (the exporter's Monitor), ``amp`` (the Monitor,
-    #: when a GradScaler is watched), ``probe`` (sampled at scrape time),
+    #: when a GradScaler is watched), ``shape`` (the Monitor, when the loop
+    #: reports a step's longest sequence), ``cuda`` (the Monitor, on a CUDA
+    #: device with ``step_peak_memory`` on), ``probe`` (sampled at scrape time),
     #: ``control`` (the control channel); a loop declaring its own metrics
     #: (``Monitor(extra_metrics=...)``) names itself, e.g. ``trainer``.
     source: str = "core"
@@ -210,6 +212,23 @@ _SPECS: tuple[MetricSpec, ...] = (
         _G,
         "1 once this rank has finished its run cleanly (the rank-down alert ignores ranks that said so); "
         "0 while running.",
+    ),
+    # --- what a step's batch costs ----------------------------------------------
+    _m(
+        "sequence_length_max_tokens",
+        _G,
+        "Longest sequence of the rank's latest step, in tokens, as the loop reports it "
+        "(Monitor.step(max_seq_len=...)); absent until it does.",
+        unit="tokens",
+        source="shape",
+    ),
+    _m(
+        "step_peak_device_memory_bytes",
+        _G,
+        "Peak device memory allocated during the rank's latest step (torch.cuda.max_memory_allocated, its peak reset "
+        "as each step begins; metrics.step_peak_memory). CUDA only: absent on CPU, which has no device memory.",
+        unit="bytes",
+        source="cuda",
     ),
     # --- optimisation scalars ------------------------------------------------
     _m("loss", _G, "Latest loss value.", labels=("split",)),

@@ -43,6 +43,7 @@ from .instruments import Instruments, observe_all
 from .modules import ModuleStats
 from .probes import Probe, ProbeCollector, default_probes
 from .server import MetricsServer, serve_metrics
+from .step_memory import StepPeakMemory
 
 __all__ = ["Monitor", "StepContext"]
 
@@ -113,6 +114,7 @@ class Monitor:
         self._in_step = False
         self._reports_data_wait = False  # a loop that never reports data wait gets no data-wait series
         self._scaler: Any | None = None
+        self._step_memory = StepPeakMemory(self.device) if self.config.step_peak_memory else None
         self._server: MetricsServer | None = None
         self._log = LogOnce()
         self._metric = {short: self.instruments.child(PREFIX + short) for short in _UNLABELLED}
@@ -224,9 +226,15 @@ class Monitor:
             self._wait_before += seconds
 
     @contextmanager
-    def step(self, samples: int = 0, tokens: int = 0) -> Iterator[StepContext]:
+    def step(self, samples: int = 0, tokens: int = 0, max_seq_len: Value | None = None) -> Iterator[StepContext]:
         """One training step. The step's duration runs from the start of this
-        iteration's data fetch (if `data()` is used) to the end of the block."""
+        iteration's data fetch (if `data()` is used) to the end of the block.
+
+        `max_seq_len`: the longest sequence the step computes on, in tokens (the padded length where
+        the loop pads each batch to its longest: that is what activation memory follows), as a host
+        number or a tensor (resolved in the batched transfer, no sync); it becomes
+        `rankscope_sequence_length_max_tokens`. With `step_peak_memory` on, on CUDA, the step's peak
+        allocated memory is recorded too."""
         # With data(), the iteration began when the fetch began; otherwise the wait
         # reported through record_data_wait() is added to the block's duration.
         fetched_by_data = self._iteration_start is not None
@@ -234,6 +242,7 @@ class Monitor:
         context = StepContext(self, self.global_step + 1)
         if self._modules is not None:
             self._modules.begin_step(context.index)
+        self._step_memory_call(lambda memory: memory.begin())
         self._in_step = True
         try:
             yield context
@@ -241,7 +250,7 @@ class Monitor:
             self._in_step = False
         # Only a block that completed counts as a step; an exception propagates untouched.
         seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
-        self._finish_step(context, seconds, samples, tokens)
+        self._finish_step(context, seconds, samples, tokens, max_seq_len)
 
     def clip_grad_norm_(
         self,
@@ -367,7 +376,9 @@ class Monitor:
             self._metric["skipped_steps_total"].inc()
         return not skip
 
-    def _finish_step(self, context: StepContext, seconds: float, samples: int, tokens: int) -> None:
+    def _finish_step(
+        self, context: StepContext, seconds: float, samples: int, tokens: int, max_seq_len: Value | None
+    ) -> None:
         try:
             data_wait = self._wait_before + self._wait_inside
             self._wait_before = self._wait_inside = 0.0
@@ -382,6 +393,11 @@ class Monitor:
                 m["samples_total"].inc(samples)
             if tokens:
                 m["tokens_total"].inc(tokens)
+            if max_seq_len is not None:
+                self.set("sequence_length_max_tokens", max_seq_len)
+            peak = self._step_memory_call(lambda memory: memory.end())
+            if peak is not None:
+                self.instruments.child(PREFIX + "step_peak_device_memory_bytes").set(peak)
             m["global_step"].set(context.index)
             m["last_step_timestamp_seconds"].set(time.time())
             comm_seconds, events = self._comm.take_step()
@@ -399,6 +415,17 @@ class Monitor:
                 self.flush()
         except Exception as exc:
             self._fail("step", exc)
+
+    def _step_memory_call(self, call: Any) -> Any:
+        """`call(StepPeakMemory)` if step peaks are measured; a failure is counted and switches them off."""
+        if self._step_memory is None:
+            return None
+        try:
+            return call(self._step_memory)
+        except Exception as exc:  # monitoring must never break the step
+            self._step_memory = None
+            self._fail("step_memory", exc)
+            return None
 
     def _observe_split(self, step_seconds: float, data_wait: float, comm_seconds: float) -> None:
         if self._comm.attached:
@@ -485,5 +512,3 @@ def _scale_of(scaler: Any) -> Value:
     scale_async = getattr(scaler, "_get_scale_async", None)
     scale = scale_async() if callable(scale_async) else None
     return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
-
-

@@ -49,7 +49,7 @@ class NullMonitor:
         return None
 
     @contextmanager
-    def step(self, samples: int = 0, tokens: int = 0) -> Iterator[_NullStep]:
+    def step(self, samples: int = 0, tokens: int = 0, max_seq_len: Any = None) -> Iterator[_NullStep]:
         self.global_step += 1
         yield _NullStep(self.global_step)
 

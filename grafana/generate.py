@@ -160,6 +160,17 @@ def run_overview() -> dict:
                         Target(f"max by (param_group) ({m('learning_rate')}{{{RUN_SEL}}})", "group {{param_group}}"),
                         description="Per optimizer parameter group; reduce_lr actions show as steps down.",
                     ),
+                    timeseries(
+                        "Loss rate of change",
+                        "percentunit",
+                        Target(_rec(RULES.LOSS_CHANGE), f"train, per {RULES.LOSS_CHANGE_STEPS} steps"),
+                        description=f"Change of the smoothed training loss per {RULES.LOSS_CHANGE_STEPS} steps, as a "
+                        f"share of its level: the least-squares slope over the last {T.loss_change_window} "
+                        "(recording rule); below 0 the loss improves. The plateau alert "
+                        f"({T.loss_plateau_severity}) fires above -{_pct(T.loss_plateau_improvement)} for "
+                        f"{T.loss_plateau_for}.",
+                        w=24,
+                    ),
                 ],
             ),
             (
@@ -506,6 +517,45 @@ def model_and_data() -> dict:
                         w=8,
                     ),
                 ],
+            ),
+            batch_cost_row(),
+        ],
+    )
+
+
+#: Each rank's longest sequence of its latest step, as its loop reports it.
+LONGEST_SEQUENCE = f"max by (rank) ({m('sequence_length_max_tokens')}{{{RANK_SEL}}})"
+#: Each rank's tokens per step (without padding): its token rate over its step rate.
+TOKENS_PER_STEP = f"{rate_sum('tokens_total', 'rank')} / ({rate_sum('steps_total', 'rank')} > 0)"
+#: Each rank's peak allocated device memory of its latest step (CUDA, metrics.step_peak_memory on).
+STEP_PEAK_MEMORY = f"max by (rank) ({m('step_peak_device_memory_bytes')}{{{RANK_SEL}}})"
+
+
+def batch_cost_row() -> tuple[str, list]:
+    """Which batch shapes cost memory: the longest sequence and tokens per step, and the step's peak device
+    memory per token of each. Per rank, computed for the ranks shown (no recording rule: nothing alerts on it)."""
+    return (
+        "Batch shape and memory",
+        [
+            timeseries(
+                "Longest sequence and tokens per step",
+                "suffix:tokens",
+                Target(LONGEST_SEQUENCE, "longest sequence, rank {{rank}}"),
+                Target(TOKENS_PER_STEP, "tokens per step, rank {{rank}}"),
+                description="The longest sequence of each rank's latest step, as its loop reports it "
+                "(Monitor.step(max_seq_len=...)), and the tokens (without padding) it processes per step.",
+            ),
+            timeseries(
+                "Peak device memory per token",
+                "bytes",
+                Target(
+                    f"{STEP_PEAK_MEMORY} / ({LONGEST_SEQUENCE} > 0)", "per token of the longest sequence, rank {{rank}}"
+                ),
+                Target(f"{STEP_PEAK_MEMORY} / ({TOKENS_PER_STEP} > 0)", "per token of the step, rank {{rank}}"),
+                description="Each step's peak allocated device memory (max_memory_allocated, reset per step: "
+                "metrics.step_peak_memory, CUDA only) over the step's longest sequence and over its tokens. A "
+                "line that rises with the sequence length means long batches cost more than their tokens (attention "
+                "grows with the square of the length); flat means memory follows tokens.",
             ),
         ],
     )

@@ -61,11 +61,17 @@ __all__ = [
 DATASOURCE_UID = "rankscope-prometheus"
 DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 
-#: Metrics that only exist on a GPU (NVML and device-memory probes). A panel
+#: Metrics that only exist on a GPU (NVML and device-memory probes, each step's peak). A panel
 #: reading any of them is tagged ``requires:gpu`` automatically.
 GPU_ONLY_METRICS = frozenset(
     metric(name).name
-    for name in ("device_memory_bytes", "gpu_utilization_ratio", "gpu_power_watts", "gpu_temperature_celsius")
+    for name in (
+        "device_memory_bytes",
+        "step_peak_device_memory_bytes",
+        "gpu_utilization_ratio",
+        "gpu_power_watts",
+        "gpu_temperature_celsius",
+    )
 )
 
 #: Label matchers for "this run" and "this run, the selected ranks".

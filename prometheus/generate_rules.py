@@ -107,6 +107,9 @@ class Tunables:
     """Loss is averaged over this range before comparing, so one noisy batch cannot fire."""
     loss_min_window: str = "30m"
     """Divergence compares the smoothed loss with its minimum over this range."""
+    loss_change_window: str = "30m"
+    """Sliding window of the loss's rate of change (the least-squares slope of the smoothed loss, per 1000
+    steps, relative to its mean level); the plateau alert waits until a run has reported loss this long."""
 
     host_memory_ratio: float = 0.85
     """Host memory in use (0..1) above which the trainer checkpoints."""
@@ -142,6 +145,19 @@ class Tunables:
     """A failed checkpoint keeps its alert firing this long (each failure is an event; no `for`)."""
     checkpoint_failing_for: str = "0s"
     checkpoint_failing_severity: str = "page"
+    loss_plateau_improvement: float = 0.01
+    """The smoothed training loss improving by less than this share (0..1) of its level per 1000 steps, over
+    `loss_change_window`, has plateaued (a loss that climbs has not improved either)."""
+    loss_plateau_for: str = "15m"
+    loss_plateau_severity: str = "ticket"
+    val_loss_plateau_window: str = "1h"
+    """The best validation loss of this window is compared with the best of the window before it; keep it
+    several validation intervals long (validation is sparse: a value every `val_every` steps)."""
+    val_loss_plateau_improvement: float = 0.01
+    """The window's best validation loss improving on the previous window's best by less than this share (0..1)
+    is a plateau (a validation loss that got worse has not improved either)."""
+    val_loss_plateau_for: str = "30m"
+    val_loss_plateau_severity: str = "ticket"
     grad_norm_explosion: float = 1e5
     """Total gradient norm above this is an explosion."""
     grad_explosion_for: str = "5m"
@@ -196,7 +212,8 @@ class Tunables:
                 f"evaluation_interval must be empty or a duration such as 15s, got {self.evaluation_interval!r}"
             )
         for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
-                     "loss_scale_overflow_share"):  # fmt: skip
+                     "loss_scale_overflow_share", "loss_plateau_improvement",
+                     "val_loss_plateau_improvement"):  # fmt: skip
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name} must be between 0 and 1 (exclusive), got {getattr(self, name)}")
         for name in ("divergence_factor", "imbalance_ratio"):
@@ -224,6 +241,11 @@ class Tunables:
 def num(value: float) -> str:
     """A float as PromQL and people read it: 0.85, 100000, 1e-07."""
     return format(value, "g")
+
+
+def _percent(share: float) -> str:
+    """A 0..1 share as people read it: 0.01 -> 1%, 0.005 -> 0.5%."""
+    return f"{share * 100:g}%"
 
 
 def _counted_in_window(counter: str, window: str) -> str:
@@ -298,6 +320,10 @@ TOKENS_RATE = f"run:{metric_name('tokens_total').removesuffix('_total')}:rate"
 STEPS_RATE = f"run:{metric_name('steps_total').removesuffix('_total')}:rate"
 LOSS_SMOOTHED = f"run:{metric_name('loss')}:smoothed"
 LOSS_WINDOW_MIN = f"run:{metric_name('loss')}:window_min"
+#: The loss's rate of change is per this many steps (the unit of LOSS_CHANGE's name, not a threshold).
+LOSS_CHANGE_STEPS = 1000
+LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
+VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
 NONFINITE_MAX = f"run:{metric_name('nonfinite_steps_total')}:max"
 GRAD_NORM_MAX = f"run:{metric_name('grad_norm')}:max"
 PAUSED_MAX = f"run:{metric_name('paused')}:max"
@@ -335,6 +361,9 @@ def recording_rules(t: Tunables) -> list[dict[str, str]]:
         # Each rank's loss is its own micro-batch's: the run's is their average.
         {"record": LOSS_SMOOTHED,
          "expr": f'avg by ({RUN}) (avg_over_time({metric_name("loss")}{{split="train"}}[{t.loss_smoothing_window}]))'},
+        # The latest validation loss (a gauge held between validations), averaged over the ranks reporting it:
+        # an instant read, no range over the ranks' series.
+        {"record": VAL_LOSS, "expr": f'avg by ({RUN}) ({metric_name("loss")}{{split="val"}})'},
         # --- level 2: from level 1 only ---------------------------------------------------------------------
         *({"record": record, "expr": f"histogram_quantile({num(q)}, {STEP_BUCKET_RATE})"}
           for q, record in STEP_QUANTILES.items()),
@@ -349,6 +378,17 @@ def recording_rules(t: Tunables) -> list[dict[str, str]]:
             "expr": f"topk by ({RUN}) (1, {COMPUTE_BUSY})\n/ on ({RUN}) group_left ()\n({busy_median} > 0)",
         },
         {"record": LOSS_WINDOW_MIN, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_min_window}])"},
+        {
+            # The loss's rate of change: the least-squares slope of the smoothed loss (per second, robust to
+            # the noise of single points) over the run's mean steps per second in the same window is the slope
+            # per step, scaled to LOSS_CHANGE_STEPS and relative to the loss's mean level in the window, so one
+            # threshold fits fast and slow runs and any loss scale; negative is improving. Nothing where the run
+            # did not step in the window or the loss's level is 0. Run-level series only: a few per run.
+            "record": LOSS_CHANGE,
+            "expr": f"{LOSS_CHANGE_STEPS} * deriv({LOSS_SMOOTHED}[{t.loss_change_window}])\n"
+            f"/ (avg_over_time({STEPS_RATE}[{t.loss_change_window}]) > 0)\n"
+            f"/ (abs(avg_over_time({LOSS_SMOOTHED}[{t.loss_change_window}])) > 0)",
+        },
         # --- level 3: dashboards only ----------------------------------------------------------------------
         # The slowest rank over the median one is the straggler's ratio: read from it, not from every rank again.
         {"record": IMBALANCE, "expr": f"max by ({RUN}) ({STRAGGLER})"},
@@ -434,6 +474,43 @@ def alerts(t: Tunables) -> list[Alert]:
             f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
             "The trainer reduces the learning rate.",
             "reduce_lr",
+        ),
+        Alert(
+            "RankscopeLossPlateau",
+            # Stepping now (a paused or stalled run has its own alerts), and reporting loss a whole window ago:
+            # a fresh run's first minutes, whose slope rests on a few points, never count as a plateau.
+            f"{LOSS_CHANGE} > -{num(t.loss_plateau_improvement)}\n"
+            f"and on ({RUN}) {STEPS_RATE} > 0\n"
+            f"and on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_change_window}",
+            t.loss_plateau_for,
+            t.loss_plateau_severity,
+            "The training loss has stopped improving.",
+            "The smoothed training loss of run {{ $labels.run_id }} changed by {{ $value | humanizePercentage }} "
+            f"of its level per {LOSS_CHANGE_STEPS} steps over the last {t.loss_change_window} (less than "
+            f"{_percent(t.loss_plateau_improvement)} improvement is a plateau), for {t.loss_plateau_for}. It has "
+            "converged, or the learning rate is too low or too high.",
+        ),
+        Alert(
+            "RankscopeValLossPlateau",
+            # Validation is sparse (the gauge holds its value between validations): the best value of this
+            # window against the best of the window before, while stepping, with at least one new validation
+            # in the window. A run without a full window before this one has no comparison and no alert.
+            f"(\n"
+            f"  min_over_time({VAL_LOSS}[{t.val_loss_plateau_window}] offset {t.val_loss_plateau_window})\n"
+            f"  - min_over_time({VAL_LOSS}[{t.val_loss_plateau_window}])\n"
+            f")\n"
+            f"/ (abs(min_over_time({VAL_LOSS}[{t.val_loss_plateau_window}] offset {t.val_loss_plateau_window})) > 0)\n"
+            f"< {num(t.val_loss_plateau_improvement)}\n"
+            f"and on ({RUN}) changes({VAL_LOSS}[{t.val_loss_plateau_window}]) > 0\n"
+            f"and on ({RUN}) {STEPS_RATE} > 0",
+            t.val_loss_plateau_for,
+            t.val_loss_plateau_severity,
+            "The validation loss has stopped improving.",
+            "The best validation loss of run {{ $labels.run_id }} over the last "
+            f"{t.val_loss_plateau_window} improved on the best of the {t.val_loss_plateau_window} before by "
+            "{{ $value | humanizePercentage }} (less than "
+            f"{_percent(t.val_loss_plateau_improvement)} is a plateau), for {t.val_loss_plateau_for}. The model "
+            "has stopped generalising better: it has converged or begun to overfit.",
         ),
         Alert(
             "RankscopeNonFiniteSteps",

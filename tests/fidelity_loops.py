@@ -199,6 +199,7 @@ EVERYTHING_ON = {
     "module_stats_every_n_steps": 1,
     "resolve_every_n_steps": 1,
     "skip_nonfinite": True,
+    "step_peak_memory": True,  # nothing on CPU, which has no device memory; here for a run on CUDA
 }
 
 
@@ -237,7 +238,7 @@ def train(
             if setup.lr_at is not None:
                 for group in setup.optimizer.param_groups:
                     group["lr"] = setup.lr_at(step)
-            with monitor.step() if monitor is not None else _plain_step() as context:
+            with monitor.step(max_seq_len=step + 1) if monitor is not None else _plain_step() as context:
                 loss = _forward_backward(setup, model, step, wrap is not None)
                 if setup.scaler is not None:
                     setup.scaler.unscale_(setup.optimizer)

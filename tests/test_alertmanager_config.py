@@ -39,6 +39,8 @@ EXPECTED_RECEIVERS = {
     "RankscopeHostMemoryHigh": "trainer-control,tickets",
     "RankscopeDeviceMemoryHigh": "trainer-control,tickets",
     "RankscopeLossDiverging": "trainer-control,tickets",
+    "RankscopeLossPlateau": "tickets",
+    "RankscopeValLossPlateau": "tickets",
     "RankscopeNonFiniteSteps": "trainer-control,pager",
     "RankscopeLossScaleCollapse": "tickets",
     "RankscopeCheckpointFailing": "pager",

@@ -1,7 +1,9 @@
+import inspect
 import re
 
 import pytest
 
+from exporter import Monitor, MonitorConfig, NullMonitor
 from exporter.contract import IDENTITY_LABELS, METRICS, MetricKind, metric
 
 NAME = re.compile(r"^rankscope_[a-z0-9_]+$")
@@ -124,3 +126,15 @@ def test_a_loops_own_metrics_are_recorded_and_served_like_the_contracts(tmp_path
     assert sample_value(found, "rankscope_loss", split="train") == 1.5
     with pytest.raises(ValueError, match="declared twice"):
         Monitor(config, RankIdentity("own", 0, 0, 1, "n"), device="cpu", extra_metrics=[metric("loss")])
+
+
+def test_the_batch_cost_metrics_help_says_how_they_are_recorded():
+    # The help text is each metric's documentation on every page: it must name the call and setting that exist.
+    sequence, peak = metric("sequence_length_max_tokens"), metric("step_peak_device_memory_bytes")
+    assert "Monitor.step(max_seq_len=...)" in sequence.help
+    for cls in (Monitor, NullMonitor):
+        assert "max_seq_len" in inspect.signature(cls.step).parameters, cls
+    assert "metrics.step_peak_memory" in peak.help and "absent on CPU" in peak.help
+    assert MonitorConfig().step_peak_memory is False
+    assert (sequence.kind, sequence.unit) == (MetricKind.GAUGE, "tokens")
+    assert (peak.kind, peak.unit) == (MetricKind.GAUGE, "bytes")

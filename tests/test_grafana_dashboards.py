@@ -217,6 +217,10 @@ PANEL_TUNABLES = {
         ("imbalance_ratio", "imbalance_for", "imbalance_severity"),
     ),
     "Communication and data-wait share": (("comm_share",), ("comm_share", "comm_for")),
+    "Loss rate of change": (
+        (),
+        ("loss_change_window", "loss_plateau_improvement", "loss_plateau_for", "loss_plateau_severity"),
+    ),
     "Host memory used": (("host_memory_ratio",), ("host_memory_ratio", "host_memory_for")),
     "Straggler": (("imbalance_ratio",), ("imbalance_ratio", "imbalance_for", "imbalance_severity")),
     "Compute time over median, per rank": (("imbalance_ratio",), ()),
@@ -229,7 +233,7 @@ def _quoted(name: str, value: object) -> str:
     """A tunable as the dashboards (and the alerts' descriptions) write it."""
     if isinstance(value, str):
         return value
-    if name.endswith(("_ratio", "_share")) and 0 < value < 1:
+    if name.endswith(("_ratio", "_share", "_improvement")) and 0 < value < 1:
         return f"{value:.0%}"
     return generator().num(value)
 
@@ -300,6 +304,7 @@ def test_panels_read_the_series_the_rules_record_by_the_generators_names(boards)
         rules.IMBALANCE,
         rules.COMM_SHARE,
         rules.SAMPLES_RATE,
+        rules.LOSS_CHANGE,
         *rules.STEP_QUANTILES.values(),
     ):
         assert any(series in expr for expr in exprs), series

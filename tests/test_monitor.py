@@ -361,3 +361,107 @@ def test_without_a_grad_scaler_an_infinite_gradient_norm_is_a_non_finite_step():
     # Without a scaler there is no loss scale to speak of: neither series is exposed.
     assert value(monitor, "rankscope_loss_scale_overflows_total") is None
     assert value(monitor, "rankscope_loss_scale") is None
+
+
+# --- what a step's batch costs: its longest sequence and its peak device memory ------------------------
+
+
+def test_the_longest_sequence_of_each_step_is_recorded_as_the_loop_reports_it():
+    monitor = make()
+    with monitor.step(tokens=40, max_seq_len=17):
+        pass
+    assert value(monitor, "rankscope_sequence_length_max_tokens") == 17
+    with monitor.step(tokens=30, max_seq_len=torch.tensor([3, 9, 5]).max()):  # a tensor is fine too
+        pass
+    assert value(monitor, "rankscope_sequence_length_max_tokens") == 9
+    with monitor.step(tokens=30):  # a step that does not say keeps the last value a step reported
+        pass
+    assert value(monitor, "rankscope_sequence_length_max_tokens") == 9
+    assert value(monitor, "rankscope_tokens_total") == 100
+
+
+def test_a_loop_that_reports_no_sequence_length_gets_no_series():
+    monitor = make()
+    train(monitor, 3)
+    assert value(monitor, "rankscope_sequence_length_max_tokens") is None
+
+
+class FakeCudaAllocator:
+    """The two host-side counters of torch.cuda's caching allocator that the monitor uses."""
+
+    def __init__(self, allocated: int) -> None:
+        self.allocated = self.peak = allocated
+        self.resets: list[torch.device] = []
+
+    def allocate(self, size: int) -> None:
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        self.resets.append(device)
+        self.peak = self.allocated
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return self.peak
+
+
+def cuda_monitor(monkeypatch, allocator: FakeCudaAllocator, **config) -> Monitor:
+    """A monitor for a CUDA device whose allocator counters are `allocator` (this machine has no GPU)."""
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", allocator.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", allocator.max_memory_allocated)
+    return Monitor(MonitorConfig(base_port=0, probes=(), **config), IDENTITY, device="cuda:0")
+
+
+def test_on_cuda_each_step_records_its_own_peak_device_memory(monkeypatch):
+    allocator = FakeCudaAllocator(allocated=1000)
+    allocator.allocate(5000)  # before the first step (model load, say): not a step's peak
+    allocator.allocate(-5000)
+    monitor = cuda_monitor(monkeypatch, allocator, step_peak_memory=True)
+    with monitor.step(max_seq_len=64):
+        allocator.allocate(300)  # activations of a long batch
+        allocator.allocate(-300)
+    assert value(monitor, "rankscope_step_peak_device_memory_bytes") == 1300
+    with monitor.step(max_seq_len=16):
+        allocator.allocate(100)
+        allocator.allocate(-100)
+    # The peak was reset as the step began: this step's peak, not the run's.
+    assert value(monitor, "rankscope_step_peak_device_memory_bytes") == 1100
+    assert allocator.resets == [torch.device("cuda", 0)] * 2
+
+
+def test_step_peak_memory_is_off_by_default_and_leaves_the_allocators_peak_alone(monkeypatch):
+    allocator = FakeCudaAllocator(allocated=1000)
+    monitor = cuda_monitor(monkeypatch, allocator)
+    with monitor.step():
+        allocator.allocate(300)
+    assert allocator.resets == []
+    assert value(monitor, "rankscope_step_peak_device_memory_bytes") is None
+
+
+def test_on_cpu_there_is_no_device_memory_and_no_peak_series(monkeypatch):
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CPU monitor must not touch torch.cuda")
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", no_cuda)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", no_cuda)
+    monitor = make(step_peak_memory=True)
+    train(monitor, 3)
+    assert value(monitor, "rankscope_step_peak_device_memory_bytes") is None
+    assert value(monitor, "rankscope_monitor_errors_total", probe="step_memory") is None
+
+
+def test_a_failing_allocator_read_is_counted_once_and_training_goes_on(monkeypatch):
+    allocator = FakeCudaAllocator(allocated=1000)
+    monitor = cuda_monitor(monkeypatch, allocator, step_peak_memory=True)
+
+    def broken(device):
+        raise RuntimeError("allocator stats unavailable")
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", broken)
+    for _ in range(3):
+        with monitor.step():
+            pass
+    assert value(monitor, "rankscope_steps_total") == 3
+    assert value(monitor, "rankscope_monitor_errors_total", probe="step_memory") == 1
+    assert value(monitor, "rankscope_step_peak_device_memory_bytes") is None
+    assert allocator.resets == [torch.device("cuda", 0)]  # switched off after the failure

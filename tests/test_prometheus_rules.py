@@ -225,6 +225,17 @@ def test_no_alert_reads_a_series_more_than_two_recording_levels_above_the_scrape
     deep = {rule["alert"]: gen.expression_depth(rule["expr"], depth) for rule in ALERT_RULES}
     assert max(deep.values()) <= 2, deep
     assert deep["RankscopeRankImbalance"] == 2 and deep["RankscopeNonFiniteSteps"] == 1
+    assert deep["RankscopeLossPlateau"] == 2 and deep["RankscopeValLossPlateau"] == 1
+
+
+def test_the_plateau_alerts_are_tickets_without_an_action_that_read_only_run_level_series():
+    # A plateau is a person's call (no trainer action, no page), and at thousands of ranks the rules that
+    # find it must cost a few series per run: no scraped (per-rank) series is read over their long windows.
+    alerts = {rule["alert"]: rule for rule in ALERT_RULES}
+    change = next(rule for rule in RECORDING_RULES if rule["record"] == gen.LOSS_CHANGE)
+    for rule in (alerts["RankscopeLossPlateau"], alerts["RankscopeValLossPlateau"], change):
+        assert rule.get("labels", {"severity": "ticket"}) == {"severity": "ticket"}, rule
+        assert not {n for n in _names_in(rule["expr"]) if n.startswith("rankscope_")}, rule
 
 
 def test_the_depth_check_rejects_a_series_read_before_it_is_recorded():
@@ -534,6 +545,8 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("device_memory_kind=free", "device_memory_kind must be allocated, reserved or peak"),
         ("data_wait_p90_seconds=0.2", "data_wait_p90_seconds must be a bucket boundary of rankscope_data_wait_seconds"),
         ("comm_severity=urgent", "comm_severity must be one of page, ticket, info"),
+        ("loss_plateau_improvement=1", "loss_plateau_improvement must be between 0 and 1"),
+        ("loss_change_window=30 minutes", "loss_change_window must be a Prometheus duration"),
     ],
 )
 def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):

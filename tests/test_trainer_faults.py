@@ -138,6 +138,7 @@ BALLOON_BYTES = 300_000_000
 FAULTS = [
     f"run.max_steps={MAX_STEPS}",
     "run.linger_seconds=300",  # the test scrapes, then ends the job
+    "metrics.step_peak_memory=true",  # on CPU, which has no device memory: no series
     "faults.straggler.at_step=3",
     "faults.straggler.rank=1",
     "faults.straggler.seconds=0.12",
@@ -245,6 +246,10 @@ def test_both_ranks_serve_the_trainers_own_metrics(faulty_run) -> None:
         )
         assert sample_value(samples, "rankscope_checkpoints_total", reason="interval") == MAX_STEPS // 10
         assert sample_value(samples, "rankscope_tokens_total") > sample_value(samples, "rankscope_samples_total")
+        # The last step's longest caption: [CLS], a word or more and [SEP], at most data.max_text_length (16).
+        assert 3 <= sample_value(samples, "rankscope_sequence_length_max_tokens") <= 16
+        # A CPU rank has no device memory: no step peak, though metrics.step_peak_memory is on.
+        assert sample_value(samples, "rankscope_step_peak_device_memory_bytes") is None
     # Rank 0 advertised both ranks to Prometheus (file_sd), with the identity labels of their series.
     targets = json.loads(job.targets_file.read_text())
     assert [t["targets"] for t in targets] == [[f"127.0.0.1:{job.metrics_base_port + r}"] for r in (0, 1)]

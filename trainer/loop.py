@@ -175,7 +175,9 @@ class Trainer:
         settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
         if len(batch) == 0:
             raise DataError("every sample of a training batch was unreadable; see the warnings above")
-        with self.monitor.step(samples=len(batch), tokens=batch.tokens) as step:
+        # The longest caption of the batch, from its host-side lengths (no device sync).
+        longest = int(batch.lengths.max())
+        with self.monitor.step(samples=len(batch), tokens=batch.tokens, max_seq_len=longest) as step:
             self.faults.at_step_start(step.index, self.optimizer, self.scheduler)
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (host float, no sync)
             on_device = batch.to(self.rt.device)
