@@ -174,6 +174,11 @@ def test_with_the_recipe_a_reduction_takes_effect_in_the_hand_written_lr_on_both
         assert lines[step + 1]["lr"] == pytest.approx(0.5 * get_lr(step)) and lines[step + 1]["lr_scale"] == 0.5
 
 
+def test_the_gpt_loop_pauses_and_resumes_on_both_ranks(gpt):
+    # Paused inside at_step_boundary with a micro-batch prefetched and no_sync accumulation between steps.
+    _check_pause_and_resume(gpt)
+
+
 def test_the_gpt_loop_checkpoints_and_stops_on_both_ranks(gpt):
     saved = gpt.act("checkpoint")
     assert saved["status"] == "applied" and (gpt.out / f"ckpt_{saved['step']:08d}.pt").is_file()
