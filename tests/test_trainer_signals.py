@@ -77,6 +77,22 @@ def test_ranks_whose_torchrun_agent_died_checkpoint_once_and_leave(trainer_job) 
     _stopped_cleanly(job, "signal:agent-gone")
 
 
+def test_the_rank_that_loses_its_peer_says_so_in_one_line(trainer_job) -> None:
+    # Rank 1 killed outright (no restarts): rank 0's next collective fails. Its last word is one line that
+    # names what happened and where the first error is, not gloo's traceback.
+    job = trainer_job("peer_lost", ENDLESS)
+    job.wait_for(lambda: job.global_step(1) >= 5, "rank 1 past step 5")
+    job.rank_processes()[1].send_signal(signal.SIGKILL)
+    assert job.wait_exit(timeout=120) != 0
+    output = job.output.read_text()
+    lines = [line for line in output.splitlines() if "trainer: rank 0 stopped: lost contact with another rank" in line]
+    assert len(lines) == 1, job.tail()
+    assert lines[0].rstrip().endswith("the first error is in that rank's output"), lines[0]
+    assert "[rank0]: Traceback" not in output and "[rank0]:Traceback" not in output, job.tail()
+    # It left by itself: DataLoader workers that ignore SIGTERM did not hold its exit until torchrun's SIGKILL.
+    assert "forcefully exiting via 9" not in output, job.tail()
+
+
 def test_a_killed_rank_0_with_data_workers_is_restarted_and_the_job_completes(trainer_job) -> None:
     job = trainer_job(
         "rank0_killed",

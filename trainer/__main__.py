@@ -50,6 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)  # fmt: skip
 
 
+def _lost_peer(exc: RuntimeError) -> bool:
+    """A collective failed because another rank is gone: torch's DistError (NCCL, timeouts) or gloo's
+    RuntimeError from its TCP transport (a peer that died closes its sockets)."""
+    if isinstance(exc, DistError):
+        return True
+    message = str(exc)
+    lost = ("Connection reset", "Connection closed", "Broken pipe")
+    return "gloo" in message and any(word in message for word in lost)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -67,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError, ControlStartError, MetricsPortInUse) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
-    except DistError as exc:
+    except RuntimeError as exc:
+        if not _lost_peer(exc):
+            raise
         detail = " ".join(str(exc).split())[:160]
         print(f"trainer: rank {rank} stopped: lost contact with another rank ({detail}); "
               "the first error is in that rank's output", file=sys.stderr)  # fmt: skip

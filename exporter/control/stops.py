@@ -11,11 +11,16 @@ boundary (its parent process id changed) and stops the same way instead of train
 DataLoader workers forked from the rank inherit the handler; in them it does nothing (the rank
 decides), so the SIGTERM that torchrun sends to the whole process group no longer kills them.
 Workers started with `spawn` or `forkserver` do not inherit it: call :func:`ignore_stop_signals`
-from their `worker_init_fn`.
+from their `worker_init_fn`. Workers that ignore SIGTERM cannot be ended by the SIGTERM that
+multiprocessing sends its daemon children at interpreter exit, so a rank that an exception ends
+(a lost peer, a bug) before its DataLoader shut them down would wait on them forever: at exit,
+the rank's daemon children get multiprocessing's SIGTERM, then SIGKILL after a second.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import signal
 import threading
@@ -51,6 +56,7 @@ class StopSignals:
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+            _kill_data_loader_workers_at_exit()
         # Under torchrun the parent is the agent; elsewhere the parent (a shell) is not ours to watch.
         self._agent = os.getppid() if watch_agent and "TORCHELASTIC_RUN_ID" in os.environ else None
 
@@ -78,6 +84,39 @@ class StopSignals:
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, previous)
         self._previous.clear()
+
+
+_registered_at_exit: set[int] = set()
+
+
+def _kill_data_loader_workers_at_exit() -> None:
+    """Once per process: at exit, before multiprocessing's own clean-up (atexit runs the newest first)."""
+    if os.getpid() not in _registered_at_exit:
+        _registered_at_exit.add(os.getpid())
+        # multiprocessing.util registers its clean-up when first imported (often at the first worker's
+        # start, after this): import it now, so ours is the newer registration and runs before it.
+        import multiprocessing.util  # noqa: F401
+
+        atexit.register(end_daemon_children)
+
+
+def end_daemon_children(grace_seconds: float = 1.0) -> int:
+    """What multiprocessing does to its daemon children at exit (SIGTERM), then SIGKILL for those still
+    alive after `grace_seconds`: DataLoader workers ignore SIGTERM. Returns how many had to be killed."""
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    for child in children:
+        child.terminate()
+    killed = 0
+    for child in children:
+        child.join(timeout=grace_seconds)
+        if child.is_alive():
+            if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
+                # torch's SIGCHLD handler reports a killed worker as an error: at exit it is the intent.
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            child.kill()
+            child.join(timeout=5)
+            killed += 1
+    return killed
 
 
 def first_reason(flags: list[int]) -> str | None:
