@@ -8,7 +8,8 @@ import subprocess
 from tests.support import REPO
 
 #: Stopping processes by name would stop a user's own Prometheus too; we stop only what we started, by PID.
-_BY_NAME = re.compile(r"\b(pkill|killall)\b")
+#: Looking a process up by name (pgrep, pidof, psutil.process_iter) is the first half of the same mistake.
+_BY_NAME = re.compile(r"\b(pkill|killall|pgrep|pidof|process_iter)\b")
 
 
 def _tracked_text_files() -> list[str]:
