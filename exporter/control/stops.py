@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 __all__ = ["StopSignals", "ignore_stop_signals"]
@@ -107,8 +108,9 @@ def end_daemon_children(grace_seconds: float = 1.0) -> int:
     for child in children:
         child.terminate()
     killed = 0
+    deadline = time.monotonic() + grace_seconds  # one grace for all: eight stubborn workers wait 1 s, not 8
     for child in children:
-        child.join(timeout=grace_seconds)
+        child.join(timeout=max(0.0, deadline - time.monotonic()))
         if child.is_alive():
             if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
                 # torch's SIGCHLD handler reports a killed worker as an error: at exit it is the intent.
