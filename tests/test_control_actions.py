@@ -37,7 +37,11 @@ def test_every_action_needs_only_its_name(action):
         ({"action": "stop", "reason": 5}, 400, "field 'reason' must be a string, got number"),
         ({"action": "stop", "reason": "x" * 201}, 400, "at most 200 characters"),
         ({"action": "stop", "reason": "two\nlines"}, 400, "one line of text without control characters"),
-        ({"action": "explode"}, 422, "unknown action 'explode'; known: checkpoint, reduce_lr, pause, resume, stop"),
+        (
+            {"action": "explode"},
+            422,
+            "unknown action 'explode'; known: checkpoint, reduce_lr, rollback, reduce_micro_batch, pause, resume, stop",
+        ),
         ({"action": "reduce_lr", "params": {"lr_factor": 1}}, 422, "between 0 and 1 (exclusive), got 1"),
         ({"action": "reduce_lr", "params": {"lr_factor": 0}}, 422, "between 0 and 1 (exclusive), got 0"),
         ({"action": "pause", "params": {"lr_factor": 0.5}}, 422, "params.lr_factor applies only to reduce_lr"),

@@ -55,6 +55,8 @@ class ActionRequest:
     """The parameters asked for, checked against the catalog (the rest take their configured defaults)."""
     key: str | None = None
     """Idempotency key: "<fingerprint>@<startsAt>" for alerts, None for operators."""
+    started_at: float | None = None
+    """Unix time the alert's incident began (its startsAt); None for operators, or an unreadable time."""
 
 
 _BODY_FIELDS = ("action", "params", "reason")
@@ -98,7 +100,7 @@ def parse_parameter(action: str, name: str, value: Any, where: str) -> float:
     parameter = spec.parameter(name) if spec is not None else None
     if parameter is None:
         owners = parameter_owners(name)
-        raise RequestError(422, f"{where} applies only to {', '.join(owners) or 'no action'}, not to {action}")
+        raise RequestError(422, f"{where} applies only to {' or '.join(owners) or 'no action'}, not to {action}")
     number = parameter.check(value)
     if number is None:
         try:

@@ -15,7 +15,9 @@ notification for good).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from .actions import (
@@ -105,7 +107,20 @@ def _parse_alert(alert: Any, where: str, run_id: str | None) -> ActionRequest | 
         raw = labels.get(parameter, annotations.get(parameter))
         if raw is not None:
             params[parameter] = parse_parameter(action, parameter, raw, f"{where} ({_short(name)}) {parameter}")
-    return ActionRequest(action, "alert", reason, params, key=f"{fingerprint}@{starts_at}")
+    return ActionRequest(action, "alert", reason, params, key=f"{fingerprint}@{starts_at}", started_at=_unix(starts_at))
+
+
+def _unix(timestamp: str) -> float | None:
+    """An RFC 3339 time as Unix seconds (Alertmanager writes nanoseconds; Python reads microseconds)."""
+    text = timestamp.strip().replace("Z", "+00:00")
+    text = re.sub(r"(\.\d{6})\d+", r"\1", text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
 
 
 def _string_map(value: Any, where: str) -> dict[str, str]:

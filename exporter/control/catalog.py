@@ -88,6 +88,33 @@ LR_FACTOR = Parameter(
     flag="--factor",
 )
 
+BEFORE_STEP = Parameter(
+    "before_step",
+    "roll back to the newest checkpoint written before this step (default: the step at the alert's startsAt, "
+    "or the current step)",
+    minimum=1,
+    maximum=2**53,
+    integer=True,
+    exclusive=False,
+    flag="--before-step",
+)
+SKIP_BATCHES = Parameter(
+    "skip_batches",
+    "batches of data to skip after the checkpoint (default: those trained between it and the incident, "
+    "plus control.rollback_margin_batches)",
+    minimum=0,
+    maximum=2**53,
+    integer=True,
+    exclusive=False,
+)
+ROLLBACK_LR_FACTOR = Parameter(
+    "lr_factor",
+    "after rolling back, also multiply every learning rate by this (default: unchanged)",
+    minimum=0.0,
+    maximum=1.0,
+    flag="--factor",
+)
+
 CATALOG: tuple[ActionSpec, ...] = (
     ActionSpec(
         "checkpoint",
@@ -107,6 +134,25 @@ CATALOG: tuple[ActionSpec, ...] = (
         cooldown_seconds="lr_cooldown_seconds",
         cap="lr_max_reductions",
     ),
+    ActionSpec(
+        "rollback",
+        "rollback",
+        "load the newest checkpoint before the incident on every rank, then skip the data that followed it",
+        parameters=(BEFORE_STEP, SKIP_BATCHES, ROLLBACK_LR_FACTOR),
+        alerts=("RankscopeLossDiverging", "RankscopeNonFiniteSteps"),
+        cooldown_steps="rollback_cooldown_steps",
+        cooldown_seconds="rollback_cooldown_seconds",
+        cap="rollback_max",
+    ),
+    ActionSpec(
+        "reduce_micro_batch",
+        "reduce-micro-batch",
+        "halve the micro-batch and double gradient accumulation on every rank (same global batch)",
+        alerts=("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh", "RankscopeSlowSteps"),
+        cooldown_steps="micro_batch_cooldown_steps",
+        cooldown_seconds="micro_batch_cooldown_seconds",
+        cap="micro_batch_max_reductions",
+    ),
     ActionSpec("pause", "pause", "hold every rank at the next step boundary"),
     ActionSpec("resume", "resume", "continue a paused job"),
     ActionSpec("stop", "stop", "checkpoint, then leave the loop on every rank"),
@@ -119,6 +165,9 @@ RESULTS: dict[str, str] = {
     "refused_cooldown": "the same action was applied too recently",
     "refused_cap": "the action's cap (e.g. lr_max_reductions) is reached",
     "refused_floor": "reduce_lr with every learning rate already at its floor",
+    "refused_unavailable": "the loop cannot do it in its state: no checkpoint before the incident (rollback), "
+    "a micro-batch that cannot be halved (reduce_micro_batch); nothing changed",
+    "unsupported": "the loop does not implement this action (its handler has no such method); nothing changed",
     "overridden": "carried out, but its effect did not happen (e.g. the loop overwrote a reduced learning rate)",
     "failed": "some rank raised while carrying it out, or the loop reported it not done",
     "duplicate": "an alert (fingerprint, startsAt) already received",

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -68,6 +69,7 @@ from .lr import (
     restore_references,
     scale_learning_rates,
 )
+from .recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 from .server import ControlServer, serve_control
 from .state import ActionQueue, ActionRecord, RunSnapshot
 from .stops import StopSignals, first_reason
@@ -78,8 +80,18 @@ logger = logging.getLogger("rankscope")
 
 # Outcome codes agreed by MAX over ranks: the worst outcome on any rank wins (a rank still waiting
 # for the effect keeps the action pending; one that saw it fail makes it fail everywhere).
-_APPLIED, _NOOP, _AWAITING, _OVERRIDDEN, _FAILED = 0, 1, 2, 3, 4
-_RESULT = {_APPLIED: "applied", _NOOP: "noop", _OVERRIDDEN: "overridden", _FAILED: "failed"}
+# From _REFUSED on, the action did not happen: what it changed is undone and it uses no cap or cooldown.
+_APPLIED, _NOOP, _AWAITING, _REFUSED, _UNSUPPORTED, _OVERRIDDEN, _FAILED = range(7)
+_RESULT = {
+    _APPLIED: "applied",
+    _NOOP: "noop",
+    _REFUSED: "refused_unavailable",
+    _UNSUPPORTED: "unsupported",
+    _OVERRIDDEN: "overridden",
+    _FAILED: "failed",
+}
+#: Boundaries remembered on rank 0 to find the step at an alert's startsAt (older alerts take the oldest).
+_HISTORY_STEPS = 100_000
 #: Format of `ControlChannel.state_dict()`.
 _STATE_FORMAT = 1
 
@@ -97,6 +109,10 @@ class ControlHandler(Protocol):
     def request_stop(self, reason: str) -> None:
         """Make the loop checkpoint and leave its loop (exit 0) after this step; the action is "applied"
         once the loop has left (`ControlChannel.close()`), "overridden" if it trains on."""
+
+    # Optional: `rollback(request: RollbackRequest) -> RollbackDone` and
+    # `reduce_micro_batch(reason: str) -> MicroBatchChange` (see `recovery`); without them those
+    # actions are "unsupported".
 
 
 class ControlStartError(RuntimeError):
@@ -142,6 +158,9 @@ class ControlChannel:
         self._awaiting: dict[str, ActionRecord] = {}
         self._signals: StopSignals | None = None
         self._watch: OptimizerWatch | None = None
+        # Rank 0: (unix time, step) at each boundary, to turn an alert's startsAt into a step.
+        self._history: deque[tuple[float, int]] = deque(maxlen=_HISTORY_STEPS)
+        self._boundary_step = 0
         if not self.config.enabled:
             return
         self._instruments.child(PREFIX + "paused").set(0)
@@ -186,8 +205,11 @@ class ControlChannel:
         """
         if not self.config.enabled:
             return []
+        self._boundary_step = step
         if self.rank == 0:
             self.snapshot.update(step=step, learning_rates=current_learning_rates(self._optimizer))
+            if not self._history or self._history[-1][1] != step:
+                self._history.append((time.time(), step))
         if step % self.config.check_every_n_steps:
             return []
         applied = self._exchange(step, handler)
@@ -310,7 +332,7 @@ class ControlChannel:
         records = {record.id: record for record in self._decide(step)} if self.rank == 0 else {}
         message = None
         if self.rank == 0 and (records or self._awaiting):
-            orders = [self._order(record) for record in records.values()]
+            orders = [self._order(record, step) for record in records.values()]
             message = {"orders": orders, "awaiting": list(self._awaiting)}
         flags = self._signals.flags() if self._signals is not None else [0, 0, 0]
         if self._distributed:
@@ -353,7 +375,7 @@ class ControlChannel:
             chosen.append(record)
         return chosen
 
-    def _order(self, record: ActionRecord) -> dict[str, Any]:
+    def _order(self, record: ActionRecord, step: int) -> dict[str, Any]:
         """What the other ranks need to apply `record` (the wire format of one action): its parameters
         with the configured defaults filled in, decided here so that every rank applies the same."""
         spec = action_spec(record.action)
@@ -364,7 +386,39 @@ class ControlChannel:
         order: dict[str, Any] = {"id": record.id, "action": record.action, "reason": record.reason, "params": params}
         if record.action == "reduce_lr":
             order["floors"] = self._floors()  # rank 0's, so every rank scales alike
+        if record.action == "rollback":
+            order["rollback"] = self._rollback_request(record, params, step).to_json()
         return order
+
+    def _rollback_request(self, record: ActionRecord, params: dict[str, Any], step: int) -> RollbackRequest:
+        """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt
+        (the incident began then, before the alert's `for` elapsed); else the current step."""
+        if params.get("before_step") is not None:
+            incident = int(params["before_step"])
+        elif record.started_at is not None:
+            incident = self._step_at(record.started_at, step)
+        else:
+            incident = step
+        skip = params.get("skip_batches")
+        return RollbackRequest(
+            before_step=incident,
+            incident_step=incident,
+            skip_batches=None if skip is None else int(skip),
+            margin_batches=self.config.rollback_margin_batches,
+            lr_factor=float(params.get("lr_factor") or 1.0),
+            reason=record.reason,
+        )
+
+    def _step_at(self, moment: float, current: int) -> int:
+        """The step the run was at, at Unix time `moment` (the last boundary at or before it)."""
+        found = None
+        for when, step in reversed(self._history):
+            if when <= moment:
+                found = step
+                break
+        if found is None:  # before the remembered history (or the run): its oldest step
+            found = self._history[0][1] if self._history else current
+        return max(1, found)
 
     def _stop_order(self, reason: str, step: int, records: dict[str, ActionRecord]) -> dict[str, Any]:
         """Every rank builds the same stop order from the agreed flags; rank 0 also records it."""
@@ -429,12 +483,66 @@ class ControlChannel:
 
         return self._expect(order, step, check, undo)
 
+    def _rollback(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        method = getattr(handler, "rollback", None)
+        if method is None:
+            return _UNSUPPORTED, f"{type(handler).__name__} has no rollback(request) method"
+        request = RollbackRequest(**order["rollback"])
+        try:
+            done = method(request)
+        except ActionUnavailable as exc:
+            return _REFUSED, str(exc)[:200]
+        if not isinstance(done, RollbackDone):
+            return _FAILED, f"rollback() returned {type(done).__name__}, not a RollbackDone"
+        if self.rank == 0:
+            logger.warning(
+                "rankscope: rollback at step %d to checkpoint step %d (%s), skipping %d batches: %s",
+                step, done.checkpoint_step, done.checkpoint, done.skipped_batches, done.detail,
+            )  # fmt: skip
+        # Seen at the next exchange: a loop that went back is at most one check interval past the checkpoint.
+        reached = done.checkpoint_step + self.config.check_every_n_steps
+
+        def went_back() -> bool | str:
+            if self._boundary_step <= reached:
+                return True
+            return f"the loop went on from step {step} instead of the checkpoint's step {done.checkpoint_step}"
+
+        return self._expect(order, step, went_back)
+
+    def _reduce_micro_batch(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        method = getattr(handler, "reduce_micro_batch", None)
+        if method is None:
+            return _UNSUPPORTED, f"{type(handler).__name__} has no reduce_micro_batch(reason) method"
+        try:
+            change = method(order["reason"])
+        except ActionUnavailable as exc:
+            return _REFUSED, str(exc)[:200]
+        if not isinstance(change, MicroBatchChange):
+            return _FAILED, f"reduce_micro_batch() returned {type(change).__name__}, not a MicroBatchChange"
+        same_global = change.micro_batch * change.accumulation_steps == (
+            change.previous_micro_batch * change.previous_accumulation_steps
+        )
+        if not same_global or change.micro_batch >= change.previous_micro_batch:
+            return _FAILED, (
+                f"micro-batch {change.previous_micro_batch}x{change.previous_accumulation_steps} became "
+                f"{change.micro_batch}x{change.accumulation_steps}: not a smaller micro-batch of the same global batch"
+            )
+        if self.rank == 0:
+            logger.warning(
+                "rankscope: micro-batch %d -> %d, gradient accumulation %d -> %d from step %d",
+                change.previous_micro_batch, change.micro_batch, change.previous_accumulation_steps,
+                change.accumulation_steps, step + 1,
+            )  # fmt: skip
+        return _APPLIED, ""
+
     @property
     def _behaviours(self) -> dict[str, Callable[[dict[str, Any], int, ControlHandler], tuple[int, str]]]:
         """Action name -> what this rank does for it (tests check it covers the catalog exactly)."""
         return {
             "checkpoint": self._checkpoint,
             "reduce_lr": self._reduce_lr,
+            "rollback": self._rollback,
+            "reduce_micro_batch": self._reduce_micro_batch,
             "pause": self._pause,
             "resume": self._resume,
             "stop": self._stop,
@@ -452,7 +560,8 @@ class ControlChannel:
     ) -> tuple[int, str]:
         """Settle at once if the effect is already known, else keep the check for later boundaries."""
         awaited = self._checks[order["id"]] = _Awaited(order["action"], step, check, undo)
-        verdict = check() if order["action"] != "stop" else None  # a stop is seen at the next boundary
+        # A stop, and a rollback's return to its checkpoint, are seen at the next boundary.
+        verdict = None if order["action"] in ("stop", "rollback") else check()
         return (_AWAITING, "") if verdict is None else awaited.code(verdict)
 
     def _verify(self, order_id: str) -> tuple[int, str]:
@@ -490,19 +599,19 @@ class ControlChannel:
         awaited = self._checks.pop(order_id, None)
         carried_at = awaited.step if awaited is not None else step
         action = record.action if record is not None else (awaited.action if awaited is not None else "?")
-        if worst >= _OVERRIDDEN:  # the effect did not happen: put back what was changed
+        if worst >= _REFUSED:  # the effect did not happen: put back what was changed
             if awaited is not None and awaited.undo is not None:
                 awaited.undo()
             if action == "stop":
                 self._unstop()
-        if code >= _OVERRIDDEN:
+        if code >= _REFUSED:
             logger.warning("rankscope: rank %d: %s %s at step %d: %s", self.rank, action, _RESULT[code], step, detail)
         elif worst == _APPLIED:
             logger.info("rankscope: rank %d applied %s at step %d", self.rank, action, carried_at)
             if carried_at != step:
                 detail = f"took effect by step {step}"
         if record is not None:
-            if worst >= _OVERRIDDEN:
+            if worst >= _REFUSED:
                 self._limits.undo(record.action)  # no cap or cooldown used by what did not happen
             result_detail = detail if worst == code else f"{_RESULT[worst]} on another rank; see that rank's log"
             self._settle(record, _RESULT[worst], carried_at, result_detail)
@@ -577,6 +686,7 @@ def _waits_for(order: dict[str, Any]) -> str:
         "reduce_lr": "waiting for the next optimizer step to use the reduced rate",
         "checkpoint": "waiting for the loop to write the checkpoint",
         "stop": "waiting for the loop to leave",
+        "rollback": "waiting for the loop to train on from the checkpoint",
     }.get(order["action"], "waiting for its effect")
 
 

@@ -68,6 +68,23 @@ class ControlConfig:
     checkpoint_cooldown_seconds: float = 0.0
     """Seconds after an applied `checkpoint` during which another is refused (0 = none)."""
 
+    rollback_margin_batches: int = 50
+    """`rollback` skips the batches trained between its checkpoint and the incident, plus this many more
+    (the data just after the incident is as suspect as the data before it)."""
+    rollback_cooldown_steps: int = 0
+    """Steps after an applied `rollback` during which another is refused, counted from the step it was applied
+    at (0 = none; the run goes back in steps, so this holds until it trains past that step plus this many)."""
+    rollback_cooldown_seconds: float = 300.0
+    """Seconds after an applied `rollback` during which another is refused (0 = none)."""
+    rollback_max: int = 3
+    """At most this many applied `rollback` per run (0 = no cap)."""
+    micro_batch_cooldown_steps: int = 0
+    """Steps after an applied `reduce_micro_batch` during which another is refused (0 = none)."""
+    micro_batch_cooldown_seconds: float = 60.0
+    """Seconds after an applied `reduce_micro_batch` during which another is refused (0 = none)."""
+    micro_batch_max_reductions: int = 3
+    """At most this many applied `reduce_micro_batch` per run (0 = no cap)."""
+
     def __post_init__(self) -> None:
         check_host("control.host", self.host)
         check_port("control.port", self.port)
@@ -78,6 +95,9 @@ class ControlConfig:
         at_least("control.lr_cooldown_steps", self.lr_cooldown_steps, 0)
         at_least("control.lr_max_reductions", self.lr_max_reductions, 0)
         at_least("control.checkpoint_cooldown_steps", self.checkpoint_cooldown_steps, 0)
+        for name in ("rollback_margin_batches", "rollback_cooldown_steps", "rollback_max",
+                     "micro_batch_cooldown_steps", "micro_batch_max_reductions"):  # fmt: skip
+            at_least(f"control.{name}", getattr(self, name), 0)
         if not 0.0 < self.pause_heartbeat_seconds <= 10.0:
             raise ValueError(
                 f"control.pause_heartbeat_seconds must be in (0, 10], got {self.pause_heartbeat_seconds!r}"
@@ -86,7 +106,8 @@ class ControlConfig:
             raise ValueError(f"control.lr_factor must be between 0 and 1 (exclusive), got {self.lr_factor!r}")
         if not 0.0 < self.lr_floor_ratio < 1.0:
             raise ValueError(f"control.lr_floor_ratio must be between 0 and 1 (exclusive), got {self.lr_floor_ratio!r}")
-        for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds"):
+        for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds",
+                     "rollback_cooldown_seconds", "micro_batch_cooldown_seconds"):  # fmt: skip
             value = getattr(self, name)
             if not value >= 0.0:  # also catches NaN
                 raise ValueError(f"control.{name} must be >= 0, got {value!r}")

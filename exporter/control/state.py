@@ -44,6 +44,8 @@ class ActionRecord:
     settled_at: float | None = None
     detail: str = ""
     """Why it was refused or failed, in one line."""
+    started_at: float | None = None
+    """For an alert: Unix time its incident began (startsAt); `rollback` goes back to before it."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +122,7 @@ class ActionQueue:
                     reason=request.reason,
                     params=dict(request.params),
                     received_at=now,
+                    started_at=request.started_at,
                 )
                 for request in fresh
             ]

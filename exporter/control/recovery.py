@@ -1,0 +1,80 @@
+"""The handler contract of the two recovery actions, `rollback` and `reduce_micro_batch`.
+
+A loop that implements them gives its handler (the object passed to `at_step_boundary`) these
+methods; one that does not gets the outcome "unsupported", and nothing changes:
+
+    def rollback(self, request: RollbackRequest) -> RollbackDone: ...
+        # load the newest checkpoint written before request.before_step (every rank the same one),
+        # skip request.skip_batches batches of data after it (None: those trained between it and
+        # request.incident_step, plus request.margin_batches), multiply the learning rates by
+        # request.lr_factor; record what was skipped so that a resumed run skips it too.
+    def reduce_micro_batch(self, reason: str) -> MicroBatchChange: ...
+        # halve the micro-batch and double gradient accumulation from the next step on, so that
+        # the global batch, the learning-rate schedule and the loss scale stay as they were.
+
+Either may raise `ActionUnavailable("<one line>")` when its state does not allow it (no checkpoint
+before the incident, a micro-batch of 2 that cannot be halved): the outcome is then
+"refused_unavailable", and the loop must not have changed anything. Any other exception is "failed".
+Every rank is called at the same step with the same request and must answer alike.
+
+No torch here: the CLI and the rule generator import the catalog, which names these actions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ActionUnavailable", "MicroBatchChange", "RollbackDone", "RollbackRequest"]
+
+
+class ActionUnavailable(Exception):
+    """The loop cannot carry the action out in its present state (one-line reason); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class RollbackRequest:
+    """What every rank is asked to roll back to; decided once on rank 0."""
+
+    before_step: int
+    """Load the newest checkpoint with a step below this one."""
+    incident_step: int
+    """The step at which the incident began (the alert's startsAt), for the default skip window."""
+    skip_batches: int | None
+    """Batches of data to skip after the checkpoint; None: through the incident plus `margin_batches`."""
+    margin_batches: int
+    lr_factor: float
+    """Multiply every learning rate by this after loading (1.0: unchanged)."""
+    reason: str
+
+    def window(self, checkpoint_step: int) -> int:
+        """How many batches to skip after a checkpoint at `checkpoint_step`."""
+        if self.skip_batches is not None:
+            return self.skip_batches
+        return max(0, self.incident_step - checkpoint_step) + self.margin_batches
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RollbackDone:
+    """What a rank did: the checkpoint it loaded and the data it skipped."""
+
+    checkpoint_step: int
+    checkpoint: str
+    """The checkpoint's path or name."""
+    skipped_batches: int
+    detail: str = ""
+    """One line for the outcome, e.g. which data positions were skipped."""
+
+
+@dataclass(frozen=True)
+class MicroBatchChange:
+    """A micro-batch halved, from the next step on."""
+
+    micro_batch: int
+    """Samples per micro-batch now (per rank)."""
+    accumulation_steps: int
+    """Micro-batches per optimizer step now."""
+    previous_micro_batch: int
+    previous_accumulation_steps: int
