@@ -308,6 +308,20 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m(
+        "skipped_batches_total",
+        _C,
+        "Batches of training data this rank skipped after a control rollback (one batch = the data of one "
+        "optimizer step on this rank); appears at the first rollback.",
+        source="control",
+    ),
+    _m(
+        "micro_batch_size",
+        _G,
+        "Samples per micro-batch on this rank (gradient accumulation = samples per step / this), as the loop "
+        "reports it; reduce_micro_batch halves it.",
+        source="control",
+    ),
+    _m(
         "checkpoints_total",
         _C,
         "Checkpoints written, by reason (interval, alert, operator, stop, final).",
