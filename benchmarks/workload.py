@@ -95,7 +95,7 @@ class Workload:
     def build(cls, steps: int, config: Path = DEMO_CONFIG, overrides: tuple[str, ...] = ()) -> Workload:
         cfg = load_config(config, overrides=["data.num_workers=0", *overrides])
         data = build_data(cfg.data, cfg.model.image_size, cfg.run.seed, rank=0, world_size=1)
-        data.sampler.set_position(0, 0, cfg.data.batch_size)
+        data.sampler.set_position(0, 0, cfg.data.batch_size)  # start sample 0; steps of one micro-batch
         batches: list[Batch] = []
         while len(batches) < steps:  # several epochs if the data set is small
             for batch in data.train_loader:

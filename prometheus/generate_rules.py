@@ -87,6 +87,49 @@ SEVERITIES = {
 }
 #: What the trainer's control endpoint can do (the `action` alert label): exporter/control/catalog.py.
 ACTIONS = tuple(spec.name for spec in catalog.CATALOG)
+#: Each `*_action` tunable and the alerts whose `action` label it sets.
+ACTION_TUNABLES = {
+    "memory_action": ("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh"),
+    "divergence_action": ("RankscopeLossDiverging",),
+    "nonfinite_action": ("RankscopeNonFiniteSteps",),
+    "slow_step_action": ("RankscopeSlowSteps",),
+}
+#: `*_action` tunables that may be "": the alert then asks the trainer for nothing.
+OPTIONAL_ACTIONS = frozenset({"slow_step_action"})
+#: How the alerts' texts say what the trainer does for each action an alert may carry: (in the summary, in the
+#: description). A catalog action without words here fails generation (KeyError naming it).
+EFFECTS = {
+    "checkpoint": ("the trainer checkpoints", "the trainer takes a checkpoint"),
+    "reduce_lr": ("the trainer reduces the learning rate", "the trainer reduces the learning rate"),
+    "rollback": (
+        "the trainer rolls back to an earlier checkpoint",
+        "the trainer reloads the newest checkpoint from before the incident and skips the data that followed it",
+    ),
+    "reduce_micro_batch": (
+        "the trainer halves the micro-batch",
+        "the trainer halves the micro-batch and doubles gradient accumulation (the same global batch)",
+    ),
+}
+
+
+def action_choices(tunable: str) -> list[str]:
+    """The values an `*_action` tunable may take: the catalog's actions that every one of its alerts may carry
+    (and "" where the alert may ask for nothing)."""
+    alerts = ACTION_TUNABLES[tunable]
+    found = [spec.name for spec in catalog.CATALOG if all(alert in spec.alerts for alert in alerts)]
+    return ([""] if tunable in OPTIONAL_ACTIONS else []) + found
+
+
+def effect(action: str) -> tuple[str, str]:
+    """What the trainer does for `action`, as an alert's summary and its description say it."""
+    if action not in EFFECTS:
+        raise KeyError(f"no words in generate_rules.EFFECTS for the catalog action {action!r}")
+    return EFFECTS[action]
+
+
+def _sentence(words: str) -> str:
+    return words[0].upper() + words[1:]
+
 
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
 
@@ -121,17 +164,26 @@ class Tunables:
     """Which `kind` of rankscope_device_memory_bytes counts as used (reserved sits near total in healthy runs)."""
     device_memory_for: str = "1m"
     device_memory_severity: str = "ticket"
+    memory_action: str = "checkpoint"
+    """What both memory alerts ask the trainer for: checkpoint, or reduce_micro_batch (the same global batch in
+    half-size micro-batches; the reference trainer checkpoints first). Choices: :func:`action_choices`."""
 
     divergence_factor: float = 2.0
     """The smoothed loss above this many times its window minimum is divergence."""
     divergence_for: str = "2m"
     divergence_severity: str = "ticket"
+    divergence_action: str = "reduce_lr"
+    """What divergence asks the trainer for: reduce_lr, or rollback (reload the newest checkpoint from before
+    the incident and skip the data after it)."""
     nonfinite_window: str = "10m"
     """Range over which non-finite steps are counted."""
     nonfinite_steps: float = 2.0
     """More than this many non-finite steps in the window fires (fp16 loss scaling skips a few by design)."""
     nonfinite_for: str = "0s"
     nonfinite_severity: str = "page"
+    nonfinite_action: str = "reduce_lr"
+    """What non-finite steps ask the trainer for: reduce_lr, or rollback (weights a NaN already reached come
+    back from the checkpoint)."""
     loss_scale_min: float = 1.0
     """A GradScaler's loss scale below this has collapsed: fp16 cannot represent the gradients even unscaled."""
     loss_scale_overflow_share: float = 0.05
@@ -184,6 +236,13 @@ class Tunables:
     """Run-wide all-reduce time as a share of step time (0..1) above this is high overhead."""
     comm_for: str = "15m"
     comm_severity: str = "ticket"
+    slow_step_seconds: float = 30.0
+    """A rank's mean step time over `rate_window` above this is slow (the design's "mean batch time above a
+    threshold"): set it from the job's budget; the default only catches steps gone pathologically slow."""
+    slow_step_for: str = "10m"
+    slow_step_severity: str = "ticket"
+    slow_step_action: str = ""
+    """What slow steps ask the trainer for: nothing ("", a person decides) or reduce_micro_batch."""
 
     stall_seconds: float = 600.0
     """No completed step for this long, while the ranks are scraped, is a stalled run."""
@@ -220,7 +279,7 @@ class Tunables:
             if not getattr(self, name) > 1:
                 raise ValueError(f"{name} must be greater than 1, got {getattr(self, name)}")
         for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
-                     "loss_scale_min"):  # fmt: skip
+                     "loss_scale_min", "slow_step_seconds"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
         if self.nonfinite_steps < 0:
@@ -236,6 +295,14 @@ class Tunables:
             )
         if self.device_memory_kind not in ("allocated", "reserved", "peak"):
             raise ValueError(f"device_memory_kind must be allocated, reserved or peak, got {self.device_memory_kind!r}")
+        for name in ACTION_TUNABLES:
+            choices = action_choices(name)
+            if getattr(self, name) not in choices:
+                allowed = ", ".join(c or '"" (no action)' for c in choices)
+                raise ValueError(
+                    f"{name} must be one of {allowed} (the actions exporter/control/catalog.py lets "
+                    f"{' and '.join(ACTION_TUNABLES[name])} carry), got {getattr(self, name)!r}"
+                )
 
 
 def num(value: float) -> str:
@@ -437,17 +504,26 @@ def alerts(t: Tunables) -> list[Alert]:
     data = metric_name("data_wait_seconds")
     slow = f'{{le="{_le(t.data_wait_p90_seconds)}"}}'
     overflows = metric_name("loss_scale_overflows_total")
+    step = metric_name("step_duration_seconds")
+    memory, memory_said = effect(t.memory_action)
+    divergence, divergence_said = effect(t.divergence_action)
+    nonfinite, nonfinite_said = effect(t.nonfinite_action)
+    if t.slow_step_action:  # the summary's and the description's last words
+        acts, said = effect(t.slow_step_action)
+        slow_steps = (f"; {acts}", f" {_sentence(said)}.")
+    else:
+        slow_steps = ("", " The run trains far slower than planned.")
     return [
         Alert(
             "RankscopeHostMemoryHigh",
             f"max by ({NODE}) ({metric_name('host_memory_used_ratio')}) > {num(t.host_memory_ratio)}",
             t.host_memory_for,
             t.host_memory_severity,
-            "Host memory of a training node is nearly exhausted; the trainer checkpoints.",
+            f"Host memory of a training node is nearly exhausted; {memory}.",
             "Node {{ $labels.node }} of run {{ $labels.run_id }} uses {{ $value | humanizePercentage }} of its "
             f"memory (threshold {t.host_memory_ratio:.0%}) for {t.host_memory_for}. The ranks on this node may be "
-            "OOM-killed; the trainer takes a checkpoint.",
-            "checkpoint",
+            f"OOM-killed; {memory_said}.",
+            t.memory_action,
         ),
         Alert(
             "RankscopeDeviceMemoryHigh",
@@ -457,23 +533,23 @@ def alerts(t: Tunables) -> list[Alert]:
             f"> {num(t.device_memory_ratio)}",
             t.device_memory_for,
             t.device_memory_severity,
-            "A rank's accelerator memory is nearly full; the trainer checkpoints.",
+            f"A rank's accelerator memory is nearly full; {memory}.",
             f"Device memory ({t.device_memory_kind}) of {run_rank} is {{{{ $value | humanizePercentage }}}} of total "
             f"(threshold {t.device_memory_ratio:.0%}) for {t.device_memory_for}. An out-of-memory error is close; "
-            "the trainer takes a checkpoint.",
-            "checkpoint",
+            f"{memory_said}.",
+            t.memory_action,
         ),
         Alert(
             "RankscopeLossDiverging",
             f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_WINDOW_MIN}\nand {LOSS_WINDOW_MIN} > 0",
             t.divergence_for,
             t.divergence_severity,
-            "Training loss is diverging; the trainer reduces the learning rate.",
+            f"Training loss is diverging; {divergence}.",
             "The training loss of run {{ $labels.run_id }} (all ranks, averaged over "
             f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
             f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
-            "The trainer reduces the learning rate.",
-            "reduce_lr",
+            f"{_sentence(divergence_said)}.",
+            t.divergence_action,
         ),
         Alert(
             "RankscopeLossPlateau",
@@ -519,11 +595,11 @@ def alerts(t: Tunables) -> list[Alert]:
             f"({_counted_in_window(NONFINITE_MAX, t.nonfinite_window)}) > {num(t.nonfinite_steps)}",
             t.nonfinite_for,
             t.nonfinite_severity,
-            "Training steps produce NaN or infinite loss or gradients; the trainer reduces the learning rate.",
+            f"Training steps produce NaN or infinite loss or gradients; {nonfinite}.",
             'Run {{ $labels.run_id }} had {{ $value | printf "%.0f" }} steps with a non-finite loss or gradient '
-            f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires). The trainer reduces "
-            "the learning rate; check that the loss recovers.",
-            "reduce_lr",
+            f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires). "
+            f"{_sentence(nonfinite_said)}; check that the loss recovers.",
+            t.nonfinite_action,
         ),
         Alert(
             "RankscopeLossScaleCollapse",
@@ -618,6 +694,25 @@ def alerts(t: Tunables) -> list[Alert]:
             "Gradient all-reduce takes a large share of step time.",
             "Run {{ $labels.run_id }} spends {{ $value | humanizePercentage }} of its step time in gradient "
             f"all-reduce (threshold {t.comm_share:.0%}) for {t.comm_for}.",
+        ),
+        Alert(
+            "RankscopeSlowSteps",
+            # Each rank's mean step time over the window, from its own rates (the ratio of two rates taken at one
+            # time). A run that stopped stepping has no mean (its count's rate is 0): a stall, not slow steps.
+            # A paused run is excluded at once, as the stall alert excludes it.
+            f"max by ({RANK}) (\n"
+            f"  rate({step}_sum[{t.rate_window}])\n"
+            f"  / (rate({step}_count[{t.rate_window}]) > 0)\n"
+            f")\n"
+            f"> {num(t.slow_step_seconds)}\n"
+            f"unless on ({RUN})\n"
+            f"{PAUSED_MAX} > 0",
+            t.slow_step_for,
+            t.slow_step_severity,
+            f"Training steps are slow: a rank's mean step time is above its threshold{slow_steps[0]}.",
+            f"The mean step time of {run_rank} is {{{{ $value | humanizeDuration }}}} over the last {t.rate_window} "
+            f"(threshold {num(t.slow_step_seconds)}s) for {t.slow_step_for}.{slow_steps[1]}",
+            t.slow_step_action,
         ),
         Alert(
             "RankscopeRunStalled",

@@ -49,6 +49,7 @@ EXPECTED_RECEIVERS = {
     "RankscopeRankImbalance": "pager",
     "RankscopeDataLoaderBottleneck": "tickets",
     "RankscopeCommOverheadHigh": "tickets",
+    "RankscopeSlowSteps": "tickets",
     "RankscopeRunStalled": "pager",
     "RankscopeRankDown": "pager",
     "RankscopeRunPaused": "null",
@@ -110,6 +111,20 @@ def test_each_alert_reaches_exactly_the_receivers_its_labels_call_for(rule):
         ({"alertname": "Operator", "action": "stop", "severity": "info"}, "trainer-control"),
         ({"alertname": "Operator", "action": "pause", "severity": "page"}, "trainer-control,pager"),
         ({"alertname": "Typo", "action": "explode", "severity": "info"}, "null"),
+        # The recovery actions the rules can be generated with (prometheus/README.md), at either severity.
+        (
+            {"alertname": "RankscopeLossDiverging", "action": "rollback", "severity": "ticket"},
+            "trainer-control,tickets",
+        ),
+        ({"alertname": "RankscopeNonFiniteSteps", "action": "rollback", "severity": "page"}, "trainer-control,pager"),
+        (
+            {"alertname": "RankscopeDeviceMemoryHigh", "action": "reduce_micro_batch", "severity": "ticket"},
+            "trainer-control,tickets",
+        ),
+        (
+            {"alertname": "RankscopeSlowSteps", "action": "reduce_micro_batch", "severity": "page"},
+            "trainer-control,pager",
+        ),
         ({"alertname": "SomethingElse"}, "null"),
     ],
 )

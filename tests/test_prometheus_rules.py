@@ -277,9 +277,10 @@ def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
 
 README = PROM / "README.md"
 #: Tunables no alert section needs to quote: the rate window of every rule, the URL, the group interval, the
-#: device-memory kind (quoted as a label matcher) and the severities (each section's "Severity `...`").
+#: device-memory kind (quoted as a label matcher), the severities (each section's "Severity `...`") and the
+#: actions (each section's "action `...`", checked against the rule's label).
 UNQUOTED = {"rate_window", "runbook_url", "evaluation_interval", "device_memory_kind"} | {
-    f.name for f in fields(gen.Tunables) if f.name.endswith("_severity")
+    f.name for f in fields(gen.Tunables) if f.name.endswith(("_severity", "_action"))
 }
 _AMOUNT = re.compile(r"(?<![\w.`])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(%|ms|s|m|h|x)?(?![\w`])")
 _UNITS = {"%": ("number", 0.01), "x": ("number", 1), None: ("number", 1), "ms": ("seconds", 0.001),
@@ -308,7 +309,7 @@ def _variant(t, name: str):  # noqa: ANN001, ANN202 - the generator's Tunables
     if name == "data_wait_p90_seconds":
         candidates = [b for b in gen.contract.metric("data_wait_seconds").buckets if b != value]
     elif isinstance(value, str):
-        candidates = ["7m", "8m", "reserved", "info", "ticket"]
+        candidates = ["7m", "8m", "reserved", "info", "ticket", *gen.ACTIONS, ""]
     else:
         candidates = [value * 1.5, value * 0.5]
     for candidate in (c for c in candidates if c != value):
@@ -423,7 +424,9 @@ def test_the_runbook_check_catches_a_number_that_drifted():
 
 def test_every_tunable_an_alert_uses_is_found():
     used = _tunables_used()
-    assert used["RankscopeHostMemoryHigh"] == ["host_memory_ratio", "host_memory_for", "host_memory_severity"]
+    assert used["RankscopeHostMemoryHigh"] == [
+        "host_memory_ratio", "host_memory_for", "host_memory_severity", "memory_action"
+    ]  # fmt: skip
     assert set(used["RankscopeDataLoaderBottleneck"]) == {
         "rate_window", "data_wait_p90_seconds", "data_wait_share", "data_loader_for", "data_loader_severity"
     }  # fmt: skip
@@ -472,19 +475,24 @@ def test_every_recording_rule_has_unit_tests_showing_it_present_and_absent(recor
     assert any(not c.get("exp_samples") for c in cases), f"no promtool case shows {record} absent"
 
 
+def _unit_tests_beside(rules: Path, tests: list[Path]) -> subprocess.CompletedProcess[str]:
+    """promtool's unit tests `tests`, copied to a `tests/` beside the rule directory `rules` (they read
+    ../rules/*.yml, as in prometheus/), run against the rules there."""
+    (rules.parent / "tests").mkdir()
+    copies = [rules.parent / "tests" / path.name for path in tests]
+    for path, copy in zip(tests, copies, strict=True):
+        shutil.copy(path, copy)
+    return promtool("test", "rules", *copies)
+
+
 def _run_unit_tests_against(variant: gen.Tunables, alert: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """promtool's tests for `alert`, run against rules generated from `variant`."""
     for name, text in gen.render(variant).items():
         (tmp_path / "rules").mkdir(parents=True, exist_ok=True)
         (tmp_path / "rules" / name).write_text(text)
-    (tmp_path / "tests").mkdir()
-    copies = []
-    for path in UNIT_TEST_FILES:
-        if f"alertname: {alert}\n" in path.read_text():
-            copies.append(tmp_path / "tests" / path.name)
-            shutil.copy(path, copies[-1])
-    assert copies, f"no unit test file mentions {alert}"
-    return promtool("test", "rules", *copies)
+    mentioning = [path for path in UNIT_TEST_FILES if f"alertname: {alert}\n" in path.read_text()]
+    assert mentioning, f"no unit test file mentions {alert}"
+    return _unit_tests_beside(tmp_path / "rules", mentioning)
 
 
 def _changed_alert(variant: gen.Tunables) -> str:
@@ -547,6 +555,11 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("comm_severity=urgent", "comm_severity must be one of page, ticket, info"),
         ("loss_plateau_improvement=1", "loss_plateau_improvement must be between 0 and 1"),
         ("loss_change_window=30 minutes", "loss_change_window must be a Prometheus duration"),
+        ("divergence_action=checkpoint", "divergence_action must be one of reduce_lr, rollback (the actions"),
+        ("nonfinite_action=stop", "nonfinite_action must be one of reduce_lr, rollback (the actions"),
+        ("memory_action=reduce_lr", "memory_action must be one of checkpoint, reduce_micro_batch (the actions"),
+        ("slow_step_action=rollback", 'slow_step_action must be one of "" (no action), reduce_micro_batch'),
+        ("slow_step_seconds=0", "slow_step_seconds must be greater than 0"),
     ],
 )
 def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):
@@ -554,6 +567,63 @@ def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not list(tmp_path.iterdir())
+
+
+# --- the recovery actions an alert can ask for (exporter/control/catalog.py) ----------------------
+# Each `*_action` tunable picks the `action` label of its alerts among the catalog's actions for them.
+
+#: The rules with every recovery action chosen that is not the default, and their unit tests.
+RECOVERY_OVERRIDES = [
+    "divergence_action=rollback",
+    "nonfinite_action=rollback",
+    "memory_action=reduce_micro_batch",
+    "slow_step_action=reduce_micro_batch",
+]
+RECOVERY_UNIT_TESTS = PROM / "tests" / "variants" / "recovery_actions_test.yml"
+
+
+def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_only_their_label():
+    assert {name: gen.action_choices(name) for name in gen.ACTION_TUNABLES} == {
+        "memory_action": ["checkpoint", "reduce_micro_batch"],
+        "divergence_action": ["reduce_lr", "rollback"],
+        "nonfinite_action": ["reduce_lr", "rollback"],
+        "slow_step_action": ["", "reduce_micro_batch"],
+    }
+    # ACTION_TUNABLES names exactly the alerts whose rule each tunable changes.
+    used = _tunables_used()
+    for name, alerts in gen.ACTION_TUNABLES.items():
+        assert {alert for alert, names in used.items() if name in names} == set(alerts), name
+
+
+@pytest.mark.parametrize(("name", "action"), [(n, a) for n in gen.ACTION_TUNABLES for a in gen.action_choices(n)])
+def test_every_action_the_catalog_allows_reaches_its_alerts_label_and_text(name, action):
+    variant = gen.apply_overrides(gen.Tunables(), [f"{name}={action}"])
+    summary, description = gen.effect(action) if action else ("", "")
+    carrying = [alert for alert in gen.alerts(variant) if alert.name in gen.ACTION_TUNABLES[name]]
+    assert len(carrying) == len(gen.ACTION_TUNABLES[name])
+    for alert in carrying:
+        assert alert.action == action, alert.name
+        assert summary in alert.summary and description in alert.description.lower(), alert.name
+
+
+def test_the_choices_follow_the_catalog(monkeypatch):
+    # No second list: an action the catalog stops offering an alert is refused for it.
+    catalog = tuple(replace(spec, alerts=()) if spec.name == "rollback" else spec for spec in gen.catalog.CATALOG)
+    monkeypatch.setattr(gen.catalog, "CATALOG", catalog)
+    assert gen.action_choices("divergence_action") == ["reduce_lr"]
+    with pytest.raises(ValueError, match=r"^divergence_action must be one of reduce_lr \(the actions"):
+        gen.apply_overrides(gen.Tunables(), ["divergence_action=rollback"])
+
+
+def test_rules_generated_with_the_recovery_actions_are_valid_and_carry_them(tmp_path):
+    assert gen.main(["--out", str(tmp_path / "rules"), *(f"--set={pair}" for pair in RECOVERY_OVERRIDES)]) == 0
+    rules = sorted((tmp_path / "rules").glob("*.yml"))
+    assert_ok(promtool("check", "rules", *rules))
+    assert_ok(_unit_tests_beside(tmp_path / "rules", [RECOVERY_UNIT_TESTS]))
+    # The same cases against the shipped rules (reduce_lr, checkpoint, no action) fail: they pin the labels.
+    assert gen.main(["--out", str(tmp_path / "shipped" / "rules")]) == 0
+    shipped = _unit_tests_beside(tmp_path / "shipped" / "rules", [RECOVERY_UNIT_TESTS])
+    assert shipped.returncode != 0 and 'action="reduce_lr"' in shipped.stdout + shipped.stderr
 
 
 # --- a real Prometheus, a real 2-rank run ----------------------------------------------------

@@ -203,19 +203,28 @@ def test_a_collated_batch_keeps_lengths_and_sizes_on_the_host() -> None:
 def test_a_resumed_sampler_yields_exactly_the_rest_of_the_epoch() -> None:
     data = _shapes(length=100)
     full = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    full.set_position(epoch=4, start_batch=0, batch_size=8)
+    full.set_position(epoch=4, start_sample=0, step_samples=8)
     resumed = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    resumed.set_position(epoch=4, start_batch=3, batch_size=8)
+    resumed.set_position(epoch=4, start_sample=24, step_samples=8)
     assert list(resumed) == list(full)[24:]
     assert len(resumed) == len(full) - 24
-    resumed.set_position(epoch=5, start_batch=0, batch_size=8)
+    resumed.set_position(epoch=5, start_sample=0, step_samples=8)
     assert len(list(resumed)) == len(full)
+
+
+def test_an_epoch_ends_after_its_last_whole_step_whatever_the_micro_batch() -> None:
+    sampler = ResumableDistributedSampler(_shapes(length=100), num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_position(epoch=0, start_sample=0, step_samples=8)  # 50 per rank: 6 steps of 8, 2 left over
+    whole = list(sampler)
+    assert len(whole) == 48
+    sampler.set_position(epoch=0, start_sample=16, step_samples=8)  # micro-batch 4 x 2, from the third step
+    assert list(sampler) == whole[16:]
 
 
 def test_build_data_shards_the_synthetic_set_and_builds_its_vocabulary() -> None:
     cfg = DataConfig(batch_size=4, num_workers=0, synthetic=SyntheticConfig(train_size=40, val_size=8, image_size=24))
     bundle = build_data(cfg, image_size=24, seed=0, rank=0, world_size=2)
-    assert bundle.batches_per_epoch == 5  # 20 samples per rank, batches of 4
+    assert bundle.steps_per_epoch(4) == 5  # 20 samples per rank, steps of 4
     assert "circle" in bundle.tokenizer.vocab
     batch = next(iter(bundle.train_loader))
     assert batch.images.shape == (4, 3, 24, 24)

@@ -201,7 +201,11 @@ class DataConfig:
     verify_images: bool = True
     """Open every manifest image at start (so a broken file is found before training, not in a worker)."""
     batch_size: int = 32
-    """Samples per rank per step (the contrastive loss uses the other samples of the batch as negatives)."""
+    """Samples per rank per micro-batch (the contrastive loss uses the other samples of the micro-batch as
+    negatives). With accumulation_steps 1, the samples per rank per step."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step (gradients accumulated, DDP all-reduces once per step). The control
+    action reduce_micro_batch halves batch_size and doubles this; a checkpoint keeps the pair."""
     val_batch_size: int = 32
     """Samples per rank per validation batch (in-batch accuracy depends on it)."""
     num_workers: int = 1
@@ -218,6 +222,7 @@ class DataConfig:
             check(bool(self.val_manifest), "data.val_manifest must be set when data.source is manifest")
         check(self.batch_size >= 2, f"data.batch_size must be >= 2 (in-batch negatives), got {self.batch_size}")
         check(self.val_batch_size >= 2, f"data.val_batch_size must be >= 2, got {self.val_batch_size}")
+        check(self.accumulation_steps >= 1, f"data.accumulation_steps must be >= 1, got {self.accumulation_steps}")
         check(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
         check(self.max_text_length >= 3, f"data.max_text_length must be >= 3, got {self.max_text_length}")
 

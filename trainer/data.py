@@ -26,7 +26,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,24 +368,33 @@ class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler that can start an epoch part-way, for exact resume.
 
     The order of epoch e is a function of (seed, e) only, so skipping the
-    first `start_batch * batch_size` indices of this rank's share gives the
-    same batches an uninterrupted run would have seen next.
+    first `start_sample` indices of this rank's share gives the same samples
+    an uninterrupted run would have seen next. An epoch ends after its last
+    whole step (`step_samples` = micro-batch x accumulation per rank), so a
+    step never straddles two epochs, whatever its micro-batch.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.skip = 0
+        self.usable = self.num_samples
 
-    def set_position(self, epoch: int, start_batch: int, batch_size: int) -> None:
+    def set_position(self, epoch: int, start_sample: int, step_samples: int) -> None:
         self.set_epoch(epoch)
-        self.skip = start_batch * batch_size
+        self.skip = start_sample
+        self.usable = steps_per_epoch(self.num_samples, step_samples) * step_samples
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        return iter(indices[self.skip :])
+        return iter(indices[self.skip : self.usable])
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.skip)
+        return max(0, self.usable - self.skip)
+
+
+def steps_per_epoch(samples_per_rank: int, step_samples: int) -> int:
+    """Whole optimizer steps in one epoch of a rank's share (the rest of the epoch is dropped)."""
+    return samples_per_rank // step_samples
 
 
 @dataclass
@@ -396,10 +405,15 @@ class DataBundle:
     tokenizer: WordTokenizer
     skipped: Counter
     """Samples the manifest check left out (on_bad_sample: skip), by reason."""
+    train_loader_for: Callable[[int], DataLoader]
+    """A training loader of another micro-batch size over the same data and sampler."""
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.sampler.num_samples // self.train_loader.batch_size  # drop_last
+    def steps_per_epoch(self, step_samples: int) -> int:
+        return steps_per_epoch(self.sampler.num_samples, step_samples)
+
+    def set_micro_batch(self, size: int) -> None:
+        """Deliver micro-batches of `size` from the next iteration on (reduce_micro_batch)."""
+        self.train_loader = self.train_loader_for(size)
 
 
 def _datasets(cfg: Any, image_size: int, seed: int) -> tuple[Dataset, Dataset, Counter]:
@@ -430,29 +444,33 @@ def build_data(
     if tokenizer is None:
         tokenizer = WordTokenizer.build(train.captions(), cfg.max_text_length)  # type: ignore[attr-defined]
     sampler = ResumableDistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    if sampler.num_samples < cfg.batch_size:
+    step_samples = cfg.batch_size * cfg.accumulation_steps
+    if sampler.num_samples < step_samples:
         raise DataError(
             f"training set too small: {len(train)} samples give {sampler.num_samples} per rank, "  # type: ignore[arg-type]
-            f"fewer than data.batch_size={cfg.batch_size}"
+            f"fewer than data.batch_size x data.accumulation_steps = {step_samples}"
         )
     collate = Collate(tokenizer, image_size)
-    workers = cfg.num_workers
-    train_loader = DataLoader(
-        train,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        collate_fn=collate,
-        drop_last=True,  # equal batches on every rank and every step
-        persistent_workers=workers > 0,
-        pin_memory=pin_memory,
-        # torchrun sends SIGTERM to the rank's whole process group: the rank checkpoints and stops
-        # its workers itself, so they must not die of it first (and take the rank down with them).
-        worker_init_fn=ignore_stop_signals,
-        # Own generator: creating an iterator then never draws from the global RNG, so resuming
-        # mid-epoch leaves the RNG exactly where the uninterrupted run had it.
-        generator=torch.Generator().manual_seed(seed),
-    )
+
+    def train_loader_for(micro_batch: int) -> DataLoader:
+        workers = cfg.num_workers
+        return DataLoader(
+            train,
+            batch_size=micro_batch,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=collate,
+            drop_last=True,  # equal batches on every rank and every step
+            persistent_workers=workers > 0,
+            pin_memory=pin_memory,
+            # torchrun sends SIGTERM to the rank's whole process group: the rank checkpoints and stops
+            # its workers itself, so they must not die of it first (and take the rank down with them).
+            worker_init_fn=ignore_stop_signals,
+            # Own generator: creating an iterator then never draws from the global RNG, so resuming
+            # mid-epoch leaves the RNG exactly where the uninterrupted run had it.
+            generator=torch.Generator().manual_seed(seed),
+        )
+
     val_sampler = DistributedSampler(val, num_replicas=world_size, rank=rank, shuffle=False)
     val_loader = DataLoader(
         val,
@@ -461,4 +479,4 @@ def build_data(
         collate_fn=collate,
         generator=torch.Generator().manual_seed(seed),  # validation leaves the global RNG alone too
     )
-    return DataBundle(train_loader, val_loader, sampler, tokenizer, skipped)
+    return DataBundle(train_loader_for(cfg.batch_size), val_loader, sampler, tokenizer, skipped, train_loader_for)

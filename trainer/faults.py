@@ -10,6 +10,7 @@ step being trained. `rank: -1` means every rank.
       straggler:      {at_step: 10, rank: 1, seconds: 0.2}  # slow rank -> its compute_duration_seconds
       slow_data:      {at_step: 10, rank: 0, seconds: 0.2}  # slow loader -> its data_wait_seconds
       crash:          {at_step: 30, rank: 1}                # os._exit -> rank down; torchrun restarts the group
+      poison:         {at_batch: 300, batches: 60}          # a stretch of mislabelled data -> loss diverges
 
 What each one does, and the signal it leaves:
 
@@ -35,6 +36,13 @@ What each one does, and the signal it leaves:
   like a segfault or an OOM kill). Only on the first attempt: torchrun sets
   TORCHELASTIC_RESTART_COUNT, and a restarted group (`--max-restarts`) resumes
   from the last checkpoint without crashing again.
+* poison: a stretch of bad data, not of steps: the `batches` batches of the
+  rank's data stream from batch `at_batch` on (1-based; one batch = one
+  optimizer step's data, counted across epochs and resumes) have their
+  captions scrambled (each image paired with the next sample's caption), as
+  from a broken shard. The loss spikes and diverges while they are trained
+  on; a `rollback` that skips them leaves training clean again, because the
+  fault follows the data position, not the step.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,8 +68,8 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_common(name: str, at_step: int, rank: int) -> None:
-    _check(at_step >= 0, f"faults.{name}.at_step must be >= 0 (0 = off), got {at_step}")
+def _check_common(name: str, at_step: int, rank: int, switch: str = "at_step") -> None:
+    _check(at_step >= 0, f"faults.{name}.{switch} must be >= 0 (0 = off), got {at_step}")
     _check(rank >= -1, f"faults.{name}.rank must be >= -1 (-1 = every rank), got {rank}")
 
 
@@ -155,6 +163,25 @@ class CrashFault:
 
 
 @dataclass
+class PoisonFault:
+    at_batch: int = 0
+    """First poisoned batch of the data stream, 1-based (0 = off)."""
+    batches: int = 50
+    """How many consecutive batches are poisoned."""
+    rank: int = -1
+    """Rank whose data is poisoned (-1 = every rank)."""
+
+    def __post_init__(self) -> None:
+        _check_common("poison", self.at_batch, self.rank, "at_batch")
+        _check(self.batches >= 1, f"faults.poison.batches must be >= 1, got {self.batches}")
+
+    @property
+    def at_step(self) -> int:
+        # The on/off switch every fault shares (FaultsConfig.active): this one is on from a data batch.
+        return self.at_batch
+
+
+@dataclass
 class FaultsConfig:
     """Fault switches (all off by default). See the module docstring."""
 
@@ -164,6 +191,7 @@ class FaultsConfig:
     straggler: StragglerFault = field(default_factory=StragglerFault)
     slow_data: SlowDataFault = field(default_factory=SlowDataFault)
     crash: CrashFault = field(default_factory=CrashFault)
+    poison: PoisonFault = field(default_factory=PoisonFault)
 
     def active(self) -> list[str]:
         """Names of the switches that are on."""
@@ -236,6 +264,14 @@ class FaultInjector:
             loss = loss * float("nan")
         return loss
 
+    def poison(self, data_batch: int, micro_batches: list[Any]) -> list[Any]:
+        """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in the poisoned stretch."""
+        fault = self.config.poison
+        if not (self._mine("poison", fault.rank) and fault.at_batch <= data_batch < fault.at_batch + fault.batches):
+            return micro_batches
+        self._announce("poison", data_batch, f"{fault.batches} batches of scrambled captions from data batch")
+        return [_scrambled(batch) for batch in micro_batches]
+
     def _grow_balloon(self, balloon: MemoryBalloonFault, step: int) -> None:
         missing = balloon.bytes - self._balloon_bytes
         if missing <= 0:
@@ -245,6 +281,12 @@ class FaultInjector:
         # torch.ones writes every page, so the memory is resident, not just reserved.
         self._balloon.append(torch.ones(chunk, dtype=torch.uint8))
         self._balloon_bytes += chunk
+
+
+def _scrambled(batch: Any) -> Any:
+    """The batch with every caption moved to the next image (deterministic: the RNG is not touched)."""
+    roll = {name: torch.roll(getattr(batch, name), 1, dims=0) for name in ("input_ids", "attention_mask", "lengths")}
+    return replace(batch, **roll)
 
 
 def _spend(seconds: float, mode: str, device: torch.device) -> None:

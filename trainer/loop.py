@@ -34,10 +34,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from exporter import RankIdentity, create_monitor, write_file_sd
-from exporter.control import ControlChannel
+from exporter.control import ControlChannel, scale_learning_rates
+from exporter.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 
 from . import _extra  # noqa: F401 - first: the trainer extra's packages, or one line naming the missing one
-from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError
+from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError, read_checkpoint
 from .config import TrainConfig
 from .data import Batch, DataError, build_data, settle_bad_samples
 from .faults import FaultInjector
@@ -45,6 +46,7 @@ from .logbook import ProgressLog
 from .metrics import TRAINER_METRICS
 from .model import build_model, contrastive_accuracy, contrastive_loss
 from .runtime import Runtime, seed_everything, set_rng_state
+from .skips import SkipRecord, merge_skips, read_skip_file, write_skip_file
 from .stats import record_accuracy, record_batch_stats, record_model_stats
 from .tokenizer import WordTokenizer
 
@@ -127,11 +129,20 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype is torch.float16)
         self.monitor.watch(self.model, self.optimizer)
         self.faults = FaultInjector(cfg.faults, self.rt.rank)
-        self.log = ProgressLog(run.log_file, self.rt.is_main, run.max_steps, cfg.data.batch_size * self.rt.world_size)
+        self.micro_batch = cfg.data.batch_size
+        self.accumulation = cfg.data.accumulation_steps
+        self.log = ProgressLog(run.log_file, self.rt.is_main, run.max_steps, self.step_samples * self.rt.world_size)
 
         self.step = 0
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.sample_in_epoch = 0
+        """The data position: samples of this rank's epoch share already trained on (or skipped)."""
+        self.skips: list[SkipRecord] = []
+        """Data windows that rollbacks skipped, applied again by a run resumed before them (`trainer.skips`)."""
+        self._timeline: list[tuple[int, Path]] = []
+        """(step, path) of the checkpoints this run's current history passed through: what rollback may load."""
+        self._reposition = False
+        """Set by an action that moved the data position or changed the loader: the epoch's iteration restarts."""
         self.best_val_loss = math.inf
         self.last_val_step = -1
         self.stop_reason: str | None = None
@@ -139,6 +150,8 @@ class Trainer:
         seed_everything(run.seed + 1000 * self.rt.rank)
         if resumed:
             self._restore(*resumed)
+            self._timeline.append((self.step, Path(resumed[0])))
+        self.monitor.set("micro_batch_size", self.micro_batch)
         self.channel = self._control_channel()  # collective; from here on SIGTERM means checkpoint-then-stop
         if self.channel is not None and state and state.get("control"):
             self.channel.load_state_dict(state["control"])
@@ -157,42 +170,82 @@ class Trainer:
         finally:
             self.close()
 
+    @property
+    def step_samples(self) -> int:
+        """Samples per rank per optimizer step: micro-batch x accumulation (reduce_micro_batch keeps it)."""
+        return self.micro_batch * self.accumulation
+
     def _train_epoch(self) -> None:
-        batch_size = self.cfg.data.batch_size
-        self.data.sampler.set_position(self.epoch, self.batch_in_epoch, batch_size)
+        self._reposition = False
+        self._replay_skips()
+        self.data.sampler.set_position(self.epoch, self.sample_in_epoch, self.step_samples)
         batches = self.faults.slow_data(self.data.train_loader, lambda: self.step + 1)
+        micro_batches: list[Batch] = []
         for batch in self.monitor.data(batches):
-            self.train_step(batch)
-            self.batch_in_epoch += 1
-            if self.batch_in_epoch >= self.data.batches_per_epoch:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0  # the position a checkpoint records
+            micro_batches.append(batch)
+            if len(micro_batches) < self.accumulation:
+                continue
+            self.train_step(micro_batches)
+            micro_batches = []
+            self._advance(1)  # the position a checkpoint records
             self._at_step_boundary()
-            if self.step >= self.cfg.run.max_steps or self.stop_reason is not None:
+            if self.step >= self.cfg.run.max_steps or self.stop_reason is not None or self._reposition:
                 return
 
-    def train_step(self, batch: Batch) -> None:
-        """One optimizer step on one batch (every rank, in lockstep through DDP's all-reduce)."""
-        settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
-        if len(batch) == 0:
-            raise DataError("every sample of a training batch was unreadable; see the warnings above")
-        # The longest caption of the batch, from its host-side lengths (no device sync).
-        longest = int(batch.lengths.max())
-        with self.monitor.step(samples=len(batch), tokens=batch.tokens, max_seq_len=longest) as step:
+    def _advance(self, steps: int) -> None:
+        """Move the data position on by `steps` steps' worth of samples, into later epochs if need be."""
+        per_epoch = self.data.steps_per_epoch(self.step_samples) * self.step_samples
+        self.sample_in_epoch += steps * self.step_samples
+        while self.sample_in_epoch >= per_epoch:
+            self.epoch, self.sample_in_epoch = self.epoch + 1, self.sample_in_epoch - per_epoch
+
+    @property
+    def data_batch(self) -> int:
+        """1-based index of the next step's batch in this rank's data stream, across epochs."""
+        per_epoch = self.data.steps_per_epoch(self.step_samples)
+        return self.epoch * per_epoch + self.sample_in_epoch // self.step_samples + 1
+
+    def train_step(self, micro_batches: Batch | list[Batch]) -> None:
+        """One optimizer step on one batch, given as its micro-batches (every rank, in lockstep through DDP's
+        all-reduce, which runs once, on the last micro-batch's backward)."""
+        micro_batches = [micro_batches] if isinstance(micro_batches, Batch) else micro_batches
+        micro_batches = self.faults.poison(self.data_batch, micro_batches)
+        for batch in micro_batches:
+            settle_bad_samples(batch.bad, self.cfg.data.on_bad_sample, self.monitor)
+            if len(batch) == 0:
+                raise DataError("every sample of a training batch was unreadable; see the warnings above")
+        samples = sum(len(batch) for batch in micro_batches)
+        tokens = sum(batch.tokens for batch in micro_batches)
+        # The longest caption of the step, from host-side lengths (no device sync).
+        longest = max(int(batch.lengths.max()) for batch in micro_batches)
+        last = len(micro_batches) - 1
+        with self.monitor.step(samples=samples, tokens=tokens, max_seq_len=longest) as step:
             self.faults.at_step_start(step.index, self.optimizer, self.scheduler)
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (host float, no sync)
-            on_device = batch.to(self.rt.device)
             stats_due = self._due_at(step.index, self.cfg.run.stats_every)
-            # On statistics steps the attention entropy is read from this very forward (no extra pass).
-            recording = (
-                self.model.module.recording_attention_entropy(on_device.attention_mask)
-                if stats_due
-                else contextlib.nullcontext(None)
-            )
-            with self._autocast(), recording as attention:
-                logits = self.model(on_device.images, on_device.input_ids, on_device.attention_mask)
-                loss = contrastive_loss(logits)
-            loss = self.faults.after_forward(step.index, loss)
-            self.scaler.scale(loss).backward()
+            loss = None
+            for index, batch in enumerate(micro_batches):
+                on_device = batch.to(self.rt.device)
+                # On statistics steps the attention entropy is read from the first forward (no extra pass).
+                recording = (
+                    self.model.module.recording_attention_entropy(on_device.attention_mask)
+                    if stats_due and index == 0
+                    else contextlib.nullcontext(None)
+                )
+                # Gradients of all but the last micro-batch stay local: one all-reduce per step.
+                syncing = contextlib.nullcontext() if index == last else self.model.no_sync()
+                with syncing:
+                    with self._autocast(), recording as recorded:
+                        logits = self.model(on_device.images, on_device.input_ids, on_device.attention_mask)
+                        micro_loss = contrastive_loss(logits)
+                    if index == last:
+                        micro_loss = self.faults.after_forward(step.index, micro_loss)
+                    if len(micro_batches) > 1:  # the step's loss is the mean over its micro-batches
+                        micro_loss = micro_loss / len(micro_batches)
+                    self.scaler.scale(micro_loss).backward()
+                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+                if index == 0:
+                    first, attention = on_device, recorded
             self.scaler.unscale_(self.optimizer)
             max_norm = self.cfg.optim.grad_clip or math.inf
             norm = self.monitor.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -206,8 +259,8 @@ class Trainer:
         record_accuracy(self.monitor, accuracy, split="train")
         self.log.record_step(self.step, loss, accuracy, lr)
         if stats_due:
-            record_batch_stats(self.monitor, batch, on_device.images)
-            record_model_stats(self.monitor, self.model.module, on_device, attention.value())
+            record_batch_stats(self.monitor, micro_batches[0], first.images)
+            record_model_stats(self.monitor, self.model.module, first, attention.value())
 
     def _at_step_boundary(self) -> None:
         run = self.cfg.run
@@ -312,6 +365,7 @@ class Trainer:
     def save_checkpoint(self, reason: str) -> Path | None:
         path = self.checkpoints.save(self.step, self.state_dict, reason)
         if path is not None:
+            self._timeline.append((self.step, path))
             self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))
         else:
             self.log.event("checkpoint_failed", step=self.step, reason=reason, error=self.checkpoints.failures[-1])
@@ -323,9 +377,13 @@ class Trainer:
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
             "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
+            "batch_in_epoch": self.sample_in_epoch // self.step_samples,
+            "sample_in_epoch": self.sample_in_epoch,
             "world_size": self.rt.world_size,
-            "batch_size": self.cfg.data.batch_size,
+            "batch_size": self.step_samples,  # samples per rank per step: the layout a position counts in
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation,
+            "skips": [record.to_json() for record in self.skips],
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -336,7 +394,11 @@ class Trainer:
             "control": self.channel.state_dict() if self.channel is not None else {},
         }
 
-    def _restore(self, path: Any, state: dict[str, Any]) -> None:
+    def _restore(self, path: Any, state: dict[str, Any], event: str = "resume") -> None:
+        try:  # first, so that a damaged record changes nothing
+            recorded = read_skip_file(self.checkpoints.directory, self.checkpoints.lineage)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         try:
             self.model.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -346,25 +408,103 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.batch_in_epoch = (int(state[k]) for k in ("step", "epoch", "batch_in_epoch"))
-        layout = (state.get("world_size"), state.get("batch_size"))
-        same_layout = layout == (self.rt.world_size, self.cfg.data.batch_size)
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        saved_step_samples = int(state.get("batch_size") or self.step_samples)
+        self.sample_in_epoch = int(state.get("sample_in_epoch", int(state["batch_in_epoch"]) * saved_step_samples))
+        layout = (state.get("world_size"), saved_step_samples)
+        same_layout = layout == (self.rt.world_size, self.cfg.data.batch_size * self.cfg.data.accumulation_steps)
         if not same_layout:
-            # The saved position counts batches of another layout: start the next epoch instead.
+            # The saved position counts samples of another layout: start the next epoch instead.
             logger.warning("checkpoint %s was written with another world size or batch size; "
                            "data order restarts at epoch %d", path, self.epoch + 1)  # fmt: skip
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self.epoch, self.sample_in_epoch = self.epoch + 1, 0
+        elif "micro_batch" in state:
+            self._set_micro_batch(int(state["micro_batch"]), int(state["accumulation_steps"]))
         monitor_state = state.get("monitor", {})
         self.best_val_loss = float(monitor_state.get("best_val_loss", math.inf))
         self.last_val_step = int(monitor_state.get("last_val_step", -1))
         rng = state["rng"]
         set_rng_state(rng[self.rt.rank] if self.rt.rank < len(rng) else rng[0])
+        self.skips = merge_skips([SkipRecord.from_json(item) for item in state.get("skips", [])], self.skips, recorded)
         self.monitor.set_step(self.step)
         self.checkpoints.last_step = self.step
-        self.log.event("resume", step=self.step, path=str(path), reason=state.get("reason", ""))
+        self.log.event(event, step=self.step, path=str(path), reason=state.get("reason", ""))
         if self.rt.is_main:
-            logger.info("resumed from %s at step %d (epoch %d, batch %d; written for: %s)",
-                        path, self.step, self.epoch, self.batch_in_epoch, state.get("reason", "?"))  # fmt: skip
+            logger.info("%s from %s at step %d (epoch %d, sample %d; written for: %s)", event, path, self.step,
+                        self.epoch, self.sample_in_epoch, state.get("reason", "?"))  # fmt: skip
+
+    def _set_micro_batch(self, micro_batch: int, accumulation: int) -> None:
+        if (micro_batch, accumulation) == (self.micro_batch, self.accumulation):
+            return
+        self.micro_batch, self.accumulation = micro_batch, accumulation
+        self.data.set_micro_batch(micro_batch)
+        self.monitor.set("micro_batch_size", micro_batch)
+        self._reposition = True
+
+    # --- recovery actions (control handler; every rank, at the same boundary) -------------------
+
+    def rollback(self, request: RollbackRequest) -> RollbackDone:
+        """Load the newest checkpoint of this run's history before `request.before_step`, then skip the data
+        window after it (applied by `_replay_skips` when the loop reaches the checkpoint's position)."""
+        left = self.step
+        self.log.flush()  # the steps trained before the rollback go to the log before its record
+        for step, path in sorted(self._timeline, key=lambda item: item[0], reverse=True):
+            if step >= request.before_step or not path.is_file():
+                continue
+            try:
+                state = read_checkpoint(path)
+            except CheckpointError as exc:
+                logger.warning("%s; rollback tries the one before it", exc)
+                continue
+            break
+        else:
+            raise ActionUnavailable(
+                f"no readable checkpoint of this run before step {request.before_step} in {self.checkpoints.directory}"
+            )
+        self._restore(path, state, event="rollback")
+        self._timeline = [(s, p) for s, p in self._timeline if s <= step]
+        record = SkipRecord(step, self.epoch, self.sample_in_epoch, request.window(step), request.lr_factor,
+                            request.incident_step, left, request.reason)  # fmt: skip
+        self.skips = merge_skips(self.skips, [record])
+        if self.rt.is_main:
+            try:
+                write_skip_file(self.checkpoints.directory, self.checkpoints.lineage, self.skips)
+            except OSError as exc:  # later checkpoints still carry the record
+                logger.error("rollback record not written beside the checkpoints: %s", exc)
+        self._reposition = True
+        where = f"epoch {record.epoch} sample {record.sample}"
+        return RollbackDone(step, path.name, record.batches, f"from step {left}; data from {where} skipped")
+
+    def _replay_skips(self) -> None:
+        """Skip each recorded window whose checkpoint step and data position the run is at now."""
+        for record in self.skips:
+            if record.key != (self.step, self.epoch, self.sample_in_epoch):
+                continue
+            self._advance(record.batches)
+            if record.lr_factor < 1.0:
+                scale_learning_rates(self.optimizer, self.scheduler, record.lr_factor)
+            self.monitor.inc("skipped_batches_total", record.batches)
+            self.log.event("skip", step=self.step, batches=record.batches, from_epoch=record.epoch,
+                           from_sample=record.sample, to_epoch=self.epoch, to_sample=self.sample_in_epoch,
+                           lr_factor=record.lr_factor, reason=record.reason)  # fmt: skip
+            logger.warning("rank %d skips %d batches of data after step %d (rollback: %s); now at epoch %d sample %d",
+                           self.rt.rank, record.batches, self.step, record.reason, self.epoch,
+                           self.sample_in_epoch)  # fmt: skip
+            return
+
+    def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
+        """Checkpoint, then halve the micro-batch and double accumulation from the next step on."""
+        before = (self.micro_batch, self.accumulation)
+        if self.micro_batch % 2 or self.micro_batch // 2 < 2:
+            raise ActionUnavailable(
+                f"the micro-batch of {self.micro_batch} samples cannot be halved (the contrastive loss needs at "
+                "least 2 per micro-batch, and an odd size would change the global batch)"
+            )
+        self.save_checkpoint(reason)  # the state before the change (a failure is counted; memory comes first)
+        self._set_micro_batch(self.micro_batch // 2, self.accumulation * 2)
+        self.log.event("micro_batch", step=self.step, micro_batch=self.micro_batch, accumulation=self.accumulation,
+                       reason=reason)  # fmt: skip
+        return MicroBatchChange(self.micro_batch, self.accumulation, *before)
 
     def _control_channel(self) -> ControlChannel | None:
         if not self.cfg.control.enabled:
