@@ -56,7 +56,15 @@ same step, through the Trainer's own flags: checkpoint -> control.should_save
 should_training_stop (train() returns normally), reduce_lr -> the optimizer's
 param groups and the scheduler's base LRs, pause/resume -> every process waits
 inside on_step_end, where no training collective is in flight, while the
-channel's heartbeat keeps its own collectives short.
+channel's heartbeat keeps its own collectives short. rollback -> the newest
+`checkpoint-<N>` before the incident is loaded into the live model,
+optimizer, scheduler, scaler and RNG with the Trainer's own loaders,
+global_step goes back to N and the data after it is skipped (needs
+`attach(trainer)`; what is skipped, and how to resume such a run, in
+`exporter._hf_recovery`). reduce_micro_batch -> refused_unavailable: the
+Trainer builds its DataLoader once per train() and counts micro-batches in
+its loop's local variables, so a callback cannot change either mid-run.
+Every checkpoint gets `rankscope.json`, the data position it was written at.
 """
 
 from __future__ import annotations
@@ -78,8 +86,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from . import create_monitor  # noqa: E402
 from ._callbacks import CallbackParts, setup_hash  # noqa: E402
+from ._hf_recovery import TrainerRecovery, micro_batch_unavailable  # noqa: E402
 from .config import MonitorConfig  # noqa: E402
 from .control import ControlChannel, ControlConfig, record_checkpoint  # noqa: E402
+from .control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest  # noqa: E402
 from .monitor import StepContext  # noqa: E402
 
 if TYPE_CHECKING:
@@ -139,7 +149,8 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
         self._mark: float | None = None
         self._save_reason: str | None = None
         self._comm_attached: Any | None = None
-        self._saved_step: int | None = None  # global step of the Trainer's latest save (on_save)
+        self._saves = 0  # the Trainer's saves so far (on_save)
+        self._recovery: TrainerRecovery | None = None
 
     @classmethod
     def attach(
@@ -176,11 +187,16 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
             self.monitor.watch(model, optimizer)
         self._attach_comm_hook(args.world_size)
         self.monitor.set_step(state.global_step)  # resumed runs continue their count
+        lr_floor = self.control.lr_floor if self.control is not None else 0.0
+        self._recovery = TrainerRecovery(self._trainer, self.monitor, lr_floor=lr_floor)
+        with self._guard():
+            self._recovery.train_begin(args, state, kwargs.get("train_dataloader"))
         if self.control is not None and self.channel is None:
             # Collective: every process reaches on_train_begin, after the Trainer set up the process group.
             self.channel = ControlChannel(
                 self.control, self.monitor, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler")
             )
+            self.monitor.set("micro_batch_size", state.train_batch_size or args.per_device_train_batch_size)
         self._mark = time.perf_counter()
 
     def on_epoch_begin(
@@ -188,6 +204,15 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
     ) -> None:
         # The epoch's data-loader iterator (worker start-up) is created next: count it as data wait.
         self._mark = time.perf_counter()
+        if self._recovery is not None:
+            with self._guard():
+                self._recovery.epoch_begin(kwargs.get("train_dataloader"))
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._recovery is not None:
+            self._recovery.micro_batch_done()
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -218,10 +243,13 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
                 tokens = state.num_input_tokens_seen - self._tokens_at_begin
                 if tokens > 0:
                     self.monitor.inc("tokens_total", round(tokens / max(1, args.world_size)))
+        if self._recovery is not None:
+            self._recovery.micro_batch_done()
+            self._recovery.step_done()
         if self.channel is not None:
             # Every process, same step; blocks while paused. Not guarded: a failure here must not
             # leave one process out of the channel's collectives.
-            actions = _TrainerActions(control, self, state.global_step)
+            actions = _TrainerActions(control, self, args, state)
             self.channel.at_step_boundary(state.global_step, actions)
             self._save_reason = actions.save_reason or self._save_reason
         self._mark = time.perf_counter()
@@ -251,9 +279,11 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
         now = time.perf_counter()
         reason = self._save_reason or ("final" if state.global_step >= state.max_steps else "interval")
         self._save_reason = None
-        self._saved_step = state.global_step
-        if self._mark is not None:
-            with self._guard():
+        self._saves += 1
+        with self._guard():
+            if self._recovery is not None:
+                self._recovery.saved(args, state)  # the checkpoint's data position, for rollbacks and resumes
+            if self._mark is not None:
                 record_checkpoint(self.monitor, reason, now - self._mark)
         self._mark = time.perf_counter()
 
@@ -304,25 +334,38 @@ class _TrainerActions:
     The Trainer acts on them right after on_step_end, on every process: it saves
     `checkpoint-<step>` and, for stop, leaves its loop and returns from train().
     A checkpoint is therefore written after this handler returns: it answers with a check
-    that the channel asks at later boundaries, true once on_save has reported the save.
+    that the channel asks at later boundaries, true once on_save has reported a save since.
+    `rollback` loads the Trainer's own checkpoint into the live run (see `exporter._hf_recovery`);
+    `reduce_micro_batch` is refused with the reason (see `micro_batch_unavailable`).
     """
 
-    def __init__(self, control: TrainerControl, callback: RankscopeCallback, step: int) -> None:
+    def __init__(self, control: TrainerControl, callback: RankscopeCallback, args: Any, state: TrainerState) -> None:
         self.control = control
         self.save_reason: str | None = None
         self._callback = callback
-        self._step = step
+        self._args = args
+        self._state = state
 
     def checkpoint(self, reason: str) -> Any:
         self.control.should_save = True
         self.save_reason = self.save_reason or reason
-        callback, step = self._callback, self._step
-        return lambda: True if callback._saved_step is not None and callback._saved_step >= step else None
+        callback, saves = self._callback, self._callback._saves
+        return lambda: True if callback._saves > saves else None
 
     def request_stop(self, reason: str) -> None:
         self.control.should_save = True
         self.control.should_training_stop = True
         self.save_reason = "stop"
+
+    def rollback(self, request: RollbackRequest) -> RollbackDone:
+        recovery = self._callback._recovery
+        if recovery is None:
+            raise ActionUnavailable("the callback saw no on_train_begin")
+        keep_save = self.save_reason is not None  # a checkpoint or stop asked at this boundary still saves
+        return recovery.rollback(request, self._args, self._state, self.control, keep_save)
+
+    def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
+        raise ActionUnavailable(micro_batch_unavailable(self._args, self._state))
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

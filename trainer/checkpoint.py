@@ -227,6 +227,8 @@ class Checkpointer:
         error = self.runtime.broadcast_object(error)
         if error:
             raise CheckpointError(error)
+        # Rank 0 writes and names the files: every rank must hold its lineage (paths, rollback, skip records).
+        self.lineage = self.runtime.broadcast_object(self.lineage)
 
     def save(self, step: int, state_fn: Callable[[], dict[str, Any]], reason: str) -> Path | None:
         """Write the checkpoint of `step` (state from `state_fn`, called on rank 0 only).

@@ -458,8 +458,10 @@ class Trainer:
                 continue
             break
         else:
+            known = ", ".join(str(s) for s, _ in self._timeline) or "none"
             raise ActionUnavailable(
-                f"no readable checkpoint of this run before step {request.before_step} in {self.checkpoints.directory}"
+                f"no readable checkpoint of this run before step {request.before_step} in "
+                f"{self.checkpoints.directory} (this run's history has steps: {known})"
             )
         self._restore(path, state, event="rollback")
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
