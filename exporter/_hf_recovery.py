@@ -171,10 +171,10 @@ class TrainerRecovery:
         if not args.ignore_data_skip:
             if recorded is not None and recorded != resumed:
                 logger.warning(
-                    "rankscope: resumed at step %d, whose data position is %d batches: the Trainer fast-forwards %d, "
-                    "so %d batches skipped by rollbacks are trained again; resume with "
-                    "TrainingArguments(ignore_data_skip=True) to let rankscope skip them",
-                    resumed, recorded, resumed, recorded - resumed,
+                    "rankscope: resumed at step %d from data position %d: the Trainer fast-forwards only %d batches, "
+                    "so batches %d-%d, which the run had skipped or trained already, are trained on again; resume "
+                    "with TrainingArguments(ignore_data_skip=True) to let rankscope continue at %d",
+                    resumed, recorded, resumed, resumed, recorded - 1, recorded,
                 )  # fmt: skip
             return
         if recorded is None or per_epoch is None:
@@ -255,7 +255,7 @@ class TrainerRecovery:
         if args.should_save:
             self._write_record(args.output_dir, record, plan.abandoned, left)
         detail = (
-            f"from step {left}; data batches {plan.data_from + 1}..{plan.data_from + plan.skip} skipped "
+            f"from step {left}; the {plan.skip} batches after data position {plan.data_from} skipped "
             f"({plan.skip - plan.extra} trained and dropped, {plan.extra} never trained)"
         )
         logger.warning(

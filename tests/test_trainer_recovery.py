@@ -160,11 +160,14 @@ def test_reduce_micro_batch_halves_it_on_both_ranks_after_a_checkpoint_keeps_it_
     assert (final["micro_batch"], final["accumulation_steps"]) == (2, 8)
 
 
-#: Validation loss (fixed validation batch of 16, so comparable) after 60 steps of micro-batches of 16 and of
-#: 8 x 2 accumulated. Not bit-identical: the contrastive loss takes its negatives from the micro-batch, so
-#: halving it changes each micro-batch's loss (7 negatives instead of 15), and sums differ in rounding. The
-#: global batch, schedule and every rank's data are the same; measured difference 0.5-3 %, tolerance 10 %.
-VAL_LOSS_TOLERANCE = 0.10
+#: Micro-batches of 8 x 2 against 16 x 1, 60 steps. The contrastive loss of an accumulated step is taken over
+#: the whole step's batch (cached embeddings, see Trainer._embeddings), so the gradients are the full batch's
+#: but summed in another order: the first steps match to the last digit, then rounding differences grow
+#: through Adam. Measured: every step's loss within 1.9 %, the validation loss within 0.13 %. Tolerances:
+#: 5 % per step and 2 % for the validation loss (losing the other micro-batch's negatives, as plain
+#: accumulation would, moved the validation loss by 28 %).
+STEP_LOSS_TOLERANCE = 0.05
+VAL_LOSS_TOLERANCE = 0.02
 
 
 def test_half_micro_batches_with_double_accumulation_train_like_the_full_batch(trainer_job) -> None:
@@ -172,7 +175,11 @@ def test_half_micro_batches_with_double_accumulation_train_like_the_full_batch(t
     assert full.wait_exit(timeout=600) == 0, full.tail()
     halves = trainer_job("half-batches", ["run.max_steps=60", "data.batch_size=8", "data.accumulation_steps=2"])
     assert halves.wait_exit(timeout=600) == 0, halves.tail()
-    expected, got = full.records("val")[-1]["loss"], halves.records("val")[-1]["loss"]
-    print(f"validation loss after 60 steps: 16 x 1 {expected:.4f}, 8 x 2 {got:.4f}")
-    assert got == pytest.approx(expected, rel=VAL_LOSS_TOLERANCE)
-    assert sorted(halves.losses()) == list(range(1, 61))
+    expected, got = full.losses(), halves.losses()
+    assert sorted(got) == sorted(expected) == list(range(1, 61))
+    assert got[1] == pytest.approx(expected[1], rel=1e-6)  # same weights, same samples: the same loss
+    worst = max(abs(got[s] - expected[s]) / expected[s] for s in expected)
+    val_expected, val_got = full.records("val")[-1]["loss"], halves.records("val")[-1]["loss"]
+    print(f"8 x 2 against 16 x 1: worst step loss {worst:.2%} apart; validation {val_got:.4f} / {val_expected:.4f}")
+    assert worst < STEP_LOSS_TOLERANCE
+    assert val_got == pytest.approx(val_expected, rel=VAL_LOSS_TOLERANCE)

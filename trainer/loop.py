@@ -223,12 +223,12 @@ class Trainer:
             self.faults.at_step_start(step.index, self.optimizer, self.scheduler)
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (host float, no sync)
             stats_due = self._due_at(step.index, self.cfg.run.stats_every)
-            loss = None
-            for index, batch in enumerate(micro_batches):
-                on_device = batch.to(self.rt.device)
+            on_device = [batch.to(self.rt.device) for batch in micro_batches]
+            cached = self._embeddings(on_device) if last else None
+            for index, inputs in enumerate(on_device):
                 # On statistics steps the attention entropy is read from the first forward (no extra pass).
                 recording = (
-                    self.model.module.recording_attention_entropy(on_device.attention_mask)
+                    self.model.module.recording_attention_entropy(inputs.attention_mask)
                     if stats_due and index == 0
                     else contextlib.nullcontext(None)
                 )
@@ -236,19 +236,20 @@ class Trainer:
                 syncing = contextlib.nullcontext() if index == last else self.model.no_sync()
                 with syncing:
                     with self._autocast(), recording as recorded:
-                        logits = self.model(on_device.images, on_device.input_ids, on_device.attention_mask)
-                        micro_loss = contrastive_loss(logits)
+                        if cached is None:
+                            logits = self.model(inputs.images, inputs.input_ids, inputs.attention_mask)
+                        else:
+                            logits = self._step_logits(inputs, index, cached, live_scale=index == last)
+                        loss = contrastive_loss(logits)
                     if index == last:
-                        micro_loss = self.faults.after_forward(step.index, micro_loss)
-                    if len(micro_batches) > 1:  # the step's loss is the mean over its micro-batches
-                        micro_loss = micro_loss / len(micro_batches)
-                    self.scaler.scale(micro_loss).backward()
-                loss = micro_loss.detach() if loss is None else loss + micro_loss.detach()
+                        loss = self.faults.after_forward(step.index, loss)
+                    self.scaler.scale(loss).backward()
                 if index == 0:
-                    first, attention = on_device, recorded
+                    attention = recorded
             self.scaler.unscale_(self.optimizer)
             max_norm = self.cfg.optim.grad_clip or math.inf
             norm = self.monitor.clip_grad_norm_(self.model.parameters(), max_norm)
+            loss = loss.detach()
             if step.record(loss=loss, grad_norm=norm):
                 self.scaler.step(self.optimizer)
             self.scaler.update()  # also after a skipped step, so an fp16 scale can shrink
@@ -259,8 +260,32 @@ class Trainer:
         record_accuracy(self.monitor, accuracy, split="train")
         self.log.record_step(self.step, loss, accuracy, lr)
         if stats_due:
-            record_batch_stats(self.monitor, micro_batches[0], first.images)
-            record_model_stats(self.monitor, self.model.module, first, attention.value())
+            record_batch_stats(self.monitor, micro_batches[0], on_device[0].images)
+            record_model_stats(self.monitor, self.model.module, on_device[0], attention.value())
+
+    # --- accumulation: the contrastive loss over the whole step's batch ---------------------------------
+
+    @torch.no_grad()
+    def _embeddings(self, on_device: list[Batch]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every micro-batch's embeddings, without gradients (activations freed at once).
+
+        The contrastive loss takes its negatives from the whole batch: with micro-batches alone each would
+        see only its own, and the optimisation would change with the micro-batch. As OpenCLIP's accum_freq
+        does, each micro-batch is then run again with gradients, its embeddings put in place of its cached
+        ones, and the loss over the whole step's batch backpropagated: the gradients sum to the full
+        batch's, for one micro-batch's activations at a time (and one more forward per micro-batch)."""
+        with self._autocast():
+            return [self.model.module(b.images, b.input_ids, b.attention_mask, features=True) for b in on_device]
+
+    def _step_logits(self, inputs: Batch, index: int, cached: list[Any], live_scale: bool) -> torch.Tensor:
+        image, text, scale = self.model(inputs.images, inputs.input_ids, inputs.attention_mask, features=True)
+        images = [c[0] for c in cached]
+        texts = [c[1] for c in cached]
+        images[index], texts[index] = image, text
+        # The temperature's gradient is taken once, in the last (all-reducing) backward, so DDP sees it
+        # there; the other micro-batches use the same value without gradient.
+        scale = scale if live_scale else cached[index][2]
+        return scale * torch.cat(images) @ torch.cat(texts).t()
 
     def _at_step_boundary(self) -> None:
         run = self.cfg.run

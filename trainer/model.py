@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +122,15 @@ class DualEncoder(nn.Module):
         """exp(logit_scale), clamped: the inverse temperature."""
         return self.logit_scale.clamp(max=MAX_LOGIT_SCALE).exp()
 
-    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Image-to-text logits (N x N); row i's correct column is i."""
+    def forward(
+        self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, features: bool = False
+    ) -> Any:
+        """Image-to-text logits (N x N); row i's correct column is i. With `features`: (image embeddings, text
+        embeddings, inverse temperature), for a loss over more samples than this forward's (accumulation)."""
         image = self.encode_image(images)
         text = self.encode_text(input_ids, attention_mask)
+        if features:
+            return image, text, self.scale()
         return self.scale() * image @ text.t()
 
     @contextmanager
