@@ -24,8 +24,8 @@ What a rollback does, on every process at the same step boundary (inside on_step
   appended to `<output_dir>/rankscope-rollbacks.json`. The checkpoints of the abandoned trajectory (steps
   above N) are moved to `<output_dir>/rankscope-rolled-back/rollback-<k>-at-step-<step>/`, so that neither
   a later rollback, `resume_from_checkpoint=True` nor `save_total_limit` mistakes them for the run's newest.
-  A run whose epochs are fixed (the Trainer derives them from max_steps) ends with the same data seen, so a
-  global step lower by the steps it went back.
+  The Trainer fixes the number of epochs when train() starts: a run whose data ends before max_steps ends
+  with its global_step lower by the batches skipped.
 
 The data position: every checkpoint the Trainer writes gets `rankscope.json` beside its files, with its
 global step and how many batches of data the run had consumed by then (trained plus skipped).
@@ -34,8 +34,8 @@ Resuming a run that rolled back: the Trainer's own fast-forward skips `global_st
 rollback is fewer than the run consumed, so it trains on skipped batches again; the callback cannot change
 that (the Trainer fetches the first batches before any callback event), and warns. Resume with
 `TrainingArguments(ignore_data_skip=True)` instead: the Trainer then does not fast-forward, and the callback
-moves the data to the position recorded in `checkpoint-<M>/rankscope.json` (in `args.output_dir`), which
-skips the window again. It can when that position is in the epoch the Trainer starts in (`global_step //
+moves the data to the position recorded in `checkpoint-<M>/rankscope.json` (it looks in `args.output_dir`
+only, for M = the resumed global_step), which skips the window again. It can when that position is in the epoch the Trainer starts in (`global_step //
 steps per epoch`); otherwise it goes to `global_step` like the Trainer would, and warns.
 
 `reduce_micro_batch` is not possible from a callback with this Trainer: see `micro_batch_unavailable`.
@@ -177,21 +177,25 @@ class TrainerRecovery:
                     resumed, recorded, resumed, resumed, recorded - 1, recorded,
                 )  # fmt: skip
             return
-        if recorded is None or per_epoch is None:
-            return  # ignore_data_skip and no record of ours: the user's choice, the data is not moved
+        if per_epoch is None:
+            return
+        epoch_start = (resumed // per_epoch) * per_epoch
+        if recorded is None:  # ignore_data_skip and no record of ours: the user's choice, the data is not moved
+            self.data_steps = epoch_start
+            return
         if not _can_drop(train_dataloader):
             logger.warning(
                 "rankscope: cannot move the resumed run's data to position %d: the Trainer's data loader (%s) "
                 "cannot drop batches", recorded, type(train_dataloader).__name__,
             )  # fmt: skip
+            self.data_steps = epoch_start
             return
-        epoch_start = (resumed // per_epoch) * per_epoch
         target = recorded
         if recorded // per_epoch != resumed // per_epoch:
             logger.warning(
-                "rankscope: resumed at step %d, whose data position %d is in a later epoch than the Trainer starts; "
-                "the data moves to step %d's position, so %d skipped batches are trained again",
-                resumed, recorded, resumed, recorded - resumed,
+                "rankscope: resumed at step %d from data position %d, in a later epoch than the Trainer starts: the "
+                "data moves to position %d instead, so batches %d-%d, which the run had skipped or trained already, "
+                "are trained on again", resumed, recorded, resumed, resumed, recorded - 1,
             )  # fmt: skip
             target = resumed
         micro = (target - epoch_start) * args.gradient_accumulation_steps
@@ -234,12 +238,19 @@ class TrainerRecovery:
 
     # --- the action ---------------------------------------------------------------------------------------------
 
-    def rollback(self, request: RollbackRequest, args: Any, state: Any, control: Any, keep_save: bool) -> RollbackDone:
-        """Carry out `request` on this process (see the module doc). Raises ActionUnavailable, with nothing
-        changed and the same reason on every process, when it cannot be done."""
-        plan = self._agreed(self._plan(request, args))
+    def rollback(
+        self, request: RollbackRequest, args: Any, state: Any, control: Any, saving: bool, stopping: bool
+    ) -> RollbackDone:
+        """Carry out `request` on this process (see the module doc); `saving` / `stopping`: a checkpoint or a stop
+        was asked at this boundary too. Raises ActionUnavailable, with nothing changed and the same reason on every
+        process, when it cannot be done."""
+        try:
+            plan = self._plan(request, args)
+        except Exception as exc:  # every process must reach the agreement below, whatever happened here
+            plan = f"{type(exc).__name__}: {exc}"
+        plan = self._agreed(plan)
         left = int(state.global_step)
-        self._load(plan, request, args, state, control, keep_save)
+        self._load(plan, request, state, control, saving, stopping)
         record = {
             "time": time.time(),
             "step": left,
@@ -300,7 +311,7 @@ class TrainerRecovery:
         placed = self._place(extra, args.gradient_accumulation_steps) if extra else (0, 0)
         if isinstance(placed, str):
             return placed
-        abandoned = tuple(sorted(f"checkpoint-{s}" for s in found if s > step))
+        abandoned = tuple(f"checkpoint-{s}" for s in found if s > step)  # found is in step order
         return _Plan(path, step, data_from, trained + extra, extra, *placed, abandoned=abandoned)
 
     def _place(self, extra: int, accumulation: int) -> tuple[int, int] | str:
@@ -336,7 +347,9 @@ class TrainerRecovery:
             raise ActionUnavailable(plan)
         return plan
 
-    def _load(self, plan: _Plan, request: RollbackRequest, args: Any, state: Any, control: Any, keep: bool) -> None:
+    def _load(
+        self, plan: _Plan, request: RollbackRequest, state: Any, control: Any, saving: bool, stopping: bool
+    ) -> None:
         """Load the checkpoint into the live run and move the data on. A failure from here on is "failed"."""
         trainer = self.trainer
         trainer._load_from_checkpoint(plan.checkpoint)
@@ -346,16 +359,16 @@ class TrainerRecovery:
         if request.lr_factor != 1.0:
             optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
             scale_learning_rates(optimizer, trainer.lr_scheduler, request.lr_factor, self.lr_floor)
-        stopping_at_the_end = control.should_training_stop and state.global_step >= state.max_steps
+        at_the_end = control.should_training_stop and state.global_step >= state.max_steps and not stopping
         state.global_step = plan.step
         # The loss summed since the last log belongs to dropped steps; logging restarts at the checkpoint.
         trainer._globalstep_last_logged = plan.step
         with torch.no_grad():
             trainer._tr_loss.zero_()
         control.should_log = False
-        if not keep:  # the Trainer's own save of the dropped step would rewrite checkpoint-N
+        if not saving:  # the Trainer's own save of the dropped step would rewrite checkpoint-N
             control.should_save = False
-        if stopping_at_the_end and plan.step < state.max_steps:
+        if at_the_end and plan.step < state.max_steps:
             control.should_training_stop = False  # set for max_steps, which the run is below again
         best = getattr(state, "best_global_step", None)
         if best is not None and best > plan.step:  # the best checkpoint is moved away with the abandoned ones

@@ -361,8 +361,9 @@ class _TrainerActions:
         recovery = self._callback._recovery
         if recovery is None:
             raise ActionUnavailable("the callback saw no on_train_begin")
-        keep_save = self.save_reason is not None  # a checkpoint or stop asked at this boundary still saves
-        return recovery.rollback(request, self._args, self._state, self.control, keep_save)
+        # A checkpoint or stop asked at this boundary still saves (checkpoint-N, now with the skipped data position).
+        saving, stopping = self.save_reason is not None, self.save_reason == "stop"
+        return recovery.rollback(request, self._args, self._state, self.control, saving, stopping)
 
     def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
         raise ActionUnavailable(micro_batch_unavailable(self._args, self._state))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import secrets
 
 import pytest
 import requests
@@ -21,7 +22,7 @@ from exporter import MonitorConfig
 from exporter._hf_recovery import POSITION_FILE, RECORD_FILE, ROLLED_BACK_DIR
 from exporter.control import ControlConfig
 from exporter.hf import RankscopeCallback
-from tests.support import fetch, sample_value, samples
+from tests.support import fetch, free_port, free_port_block, sample_value, samples, stop_process, torchrun, wait_for
 
 TOKEN = "hf-recovery-test-token"
 BATCH = 4
@@ -306,3 +307,48 @@ def test_a_skip_past_the_end_of_the_epoch_continues_in_the_next_one(tmp_path):
     assert trained == data[:10] + data[16:36]
     assert result["state"].global_step == 14
     assert sample_value(result["page"], "rankscope_skipped_batches_total") == 4
+
+
+# --- two processes under torchrun ------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_both_processes_roll_back_to_the_same_checkpoint_and_skip_alike(tmp_path):
+    """examples/hf_trainer.py under torchrun, saving every 4 steps: a rollback before step 6 takes every
+    process back to checkpoint-4 at the same step, and each skips the same data."""
+    from tests.test_hf_callback import _Job  # the 2-process job as test_hf_callback drives it
+
+    job = _Job(free_port_block(2), free_port(), secrets.token_hex(16), tmp_path / "torchrun.log")
+    target = ["examples/hf_trainer.py", "--output-dir", str(tmp_path), "--max-steps", "100000", "--save-steps", "4"]
+    target += ["--metrics-host", "127.0.0.1", "--base-port", str(job.base_port), "--module-stats-every", "1000"]
+    target += ["--control", "--control-port", job.control.rsplit(":", 1)[1]]
+    proc = torchrun(2, target, master_port=free_port(), extra_env={"RANKSCOPE_CONTROL_TOKEN": job.token}, log=job.log)
+    try:
+        wait_for(
+            lambda: proc.poll() is not None or min(job.both("rankscope_steps_total")) >= 9,
+            300,
+            "training",
+            job.diagnose,
+        )
+        assert proc.poll() is None, f"job exited early:\n{job.diagnose()}"
+        (record,) = job.settled([job.act("rollback", reason="test", params={"before_step": 6})]).values()
+        assert record["status"] == "applied", record
+        skipped = wait_for(lambda: min(job.both("rankscope_skipped_batches_total")), 60, "skip counters", job.diagnose)
+        assert job.both("rankscope_skipped_batches_total") == (skipped, skipped)
+        job.act("stop", reason="test done")
+        assert proc.wait(timeout=120) == 0, job.diagnose()
+    finally:
+        stop_process(proc)
+    (written,) = json.loads((tmp_path / RECORD_FILE).read_text())
+    assert (written["checkpoint"], written["step"], written["skipped_batches"]) == (
+        "checkpoint-4",
+        record["step"],
+        skipped,
+    )
+    # Default window: the steps trained since checkpoint-4 up to the incident (before_step 6), plus the margin.
+    assert skipped == max(written["step"] - 4, 2 + ControlConfig().rollback_margin_batches)
+    histories = [json.loads((tmp_path / f"log_history.rank{rank}.json").read_text()) for rank in (0, 1)]
+    steps = [[entry["step"] for entry in history if "loss" in entry] for history in histories]
+    assert steps[0] == steps[1]
+    back = next(i for i in range(1, len(steps[0])) if steps[0][i] <= steps[0][i - 1])
+    assert steps[0][:back] == list(range(1, written["step"])) and steps[0][back : back + 2] == [5, 6]

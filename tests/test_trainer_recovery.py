@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from tests.support import sample_value
 from trainer.checkpoint import checkpoint_files, read_checkpoint
-
-pytestmark = pytest.mark.integration
 
 TOKEN = "recovery-test-token"
 
@@ -61,6 +60,7 @@ def _after_last(records: list[dict], kind: str) -> list[dict]:
 POISON_AT, POISON_BATCHES, MARGIN = 41, 20, 25
 
 
+@pytest.mark.integration
 def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repeats_it(
     trainer_job, free_port, tmp_path
 ) -> None:
@@ -118,6 +118,7 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
 # --- reduce_micro_batch ---------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_reduce_micro_batch_halves_it_on_both_ranks_after_a_checkpoint_keeps_it_and_stops_at_two(
     trainer_job, free_port, tmp_path
 ) -> None:
@@ -170,6 +171,7 @@ STEP_LOSS_TOLERANCE = 0.05
 VAL_LOSS_TOLERANCE = 0.02
 
 
+@pytest.mark.integration
 def test_half_micro_batches_with_double_accumulation_train_like_the_full_batch(trainer_job) -> None:
     full = trainer_job("full-batch", ["run.max_steps=60"])
     assert full.wait_exit(timeout=600) == 0, full.tail()
@@ -183,3 +185,61 @@ def test_half_micro_batches_with_double_accumulation_train_like_the_full_batch(t
     print(f"8 x 2 against 16 x 1: worst step loss {worst:.2%} apart; validation {val_got:.4f} / {val_expected:.4f}")
     assert worst < STEP_LOSS_TOLERANCE
     assert val_got == pytest.approx(val_expected, rel=VAL_LOSS_TOLERANCE)
+
+
+class SavedForBackward:
+    """The activations autograd keeps for backward during one forward (the memory a step holds that grows with
+    its micro-batch, whatever the allocator): the largest of any forward while active. Counted in a pack hook
+    that returns the tensor itself, so training is unchanged; the parameters it also saves are left out."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.current, self.peak = module, 0, 0
+        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._seen: set[int] = set()
+
+    def _start_forward(self, *_: object) -> None:
+        self.current, self._seen = 0, set(self._parameters)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:  # views share their base's storage: counted once
+            self._seen.add(storage.data_ptr())
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        return tensor
+
+    def __enter__(self) -> SavedForBackward:
+        self._hook = self.module.register_forward_pre_hook(self._start_forward)
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._saved.__exit__(*exc)
+        self._hook.remove()
+
+
+def test_a_halved_micro_batch_holds_about_half_the_activation_memory_per_forward(tmp_path: Path) -> None:
+    from trainer.config import load_config
+    from trainer.loop import Trainer
+
+    cfg = load_config(
+        "trainer/configs/test.yaml",
+        [f"checkpoint.dir={tmp_path / 'checkpoints'}", f"run.log_file={tmp_path / 'log.jsonl'}",
+         "control.enabled=false", "metrics.enabled=false", "data.num_workers=0"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.data.sampler.set_position(0, 0, trainer.step_samples)
+        with SavedForBackward(trainer.model.module) as full:
+            trainer.train_step(next(iter(trainer.data.train_loader)))
+        change = trainer.reduce_micro_batch("operator:memory")
+        assert (change.micro_batch, change.accumulation_steps) == (8, 2)
+        trainer.data.sampler.set_position(0, trainer.step_samples, trainer.step_samples)
+        loader = iter(trainer.data.train_loader)
+        with SavedForBackward(trainer.model.module) as halved:
+            trainer.train_step([next(loader), next(loader)])
+    finally:
+        trainer.close()
+    print(f"saved for backward per forward: {full.peak / 2**20:.1f} MiB at 16, {halved.peak / 2**20:.1f} MiB at 8")
+    assert 0.45 * full.peak < halved.peak < 0.55 * full.peak
