@@ -214,3 +214,29 @@ def trainer_monitor() -> Any:
     identity = RankIdentity("test", 0, 0, 1, "host")
     config = MonitorConfig(base_port=0, probes=())
     return Monitor(config, identity, device="cpu", registry=CollectorRegistry(), extra_metrics=TRAINER_METRICS)
+
+
+def records_after_last(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The run-log records written after the last one of type `kind` (e.g. the training after a rollback)."""
+    last = max(i for i, record in enumerate(records) if record["type"] == kind)
+    return records[last + 1 :]
+
+
+def replay_rollback(trainer_job: Callable[..., Any], job: Any, workdir: Path, end: int, settings: list[str]) -> None:
+    """Resume a copy of `job`'s checkpoint directory from the checkpoint its last rollback loaded, train to step
+    `end` with `settings`, and require the very losses `job` trained after that rollback: the skip record
+    (skips-<lineage>.json) makes the resumed run skip the same window from the same state."""
+    import shutil
+
+    from trainer.checkpoint import checkpoint_files
+
+    restored = job.records("rollback")[-1]["step"]
+    after = {r["step"]: r["loss"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"}
+    assert max(after) >= end, f"the job trained only to step {max(after)} after its rollback, not {end}"
+    copy = workdir / "replay-checkpoints"
+    shutil.copytree(job.checkpoint_dir, copy)
+    (resume_from,) = [f.path for f in checkpoint_files(copy) if f.step == restored]
+    replay = trainer_job("replay", [*settings, f"run.max_steps={end}"], resume=str(resume_from), checkpoint_dir=copy)
+    assert replay.wait_exit(timeout=600) == 0, replay.tail()
+    assert [r["batches"] for r in replay.records("skip")] == [job.records("skip")[-1]["batches"]]
+    assert replay.losses() == {step: after[step] for step in range(restored + 1, end + 1)}

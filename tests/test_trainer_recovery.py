@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from pathlib import Path
 
@@ -20,8 +19,8 @@ import pytest
 import requests
 import torch
 
-from tests.support import sample_value
-from trainer.checkpoint import checkpoint_files, read_checkpoint
+from tests.support import records_after_last, replay_rollback, sample_value
+from trainer.checkpoint import read_checkpoint
 
 TOKEN = "recovery-test-token"
 
@@ -49,12 +48,6 @@ def _control_settings(port: int, token_file: Path) -> list[str]:
     return ["control.endpoint=true", f"control.port={port}", f"control.token_file={token_file}"]
 
 
-def _after_last(records: list[dict], kind: str) -> list[dict]:
-    """The records written after the last one of type `kind`."""
-    last = max(i for i, r in enumerate(records) if r["type"] == kind)
-    return records[last + 1 :]
-
-
 # --- rollback -------------------------------------------------------------------------------------
 
 POISON_AT, POISON_BATCHES, MARGIN = 41, 20, 25
@@ -65,10 +58,10 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
     trainer_job, free_port, tmp_path
 ) -> None:
     port = free_port()
+    poison = [f"faults.poison.at_batch={POISON_AT}", f"faults.poison.batches={POISON_BATCHES}"]
     job = trainer_job(
         "rollback",
-        ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50",
-         f"faults.poison.at_batch={POISON_AT}", f"faults.poison.batches={POISON_BATCHES}",
+        ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50", *poison,
          f"control.rollback_margin_batches={MARGIN}", *_control_settings(port, tmp_path / "token")],
     )  # fmt: skip
     endpoint = Endpoint(port)
@@ -88,14 +81,14 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
         assert sample_value(job.scrape(rank), "rankscope_control_actions_total", action="rollback") in (None, 1)
 
     end = POISON_AT + 40
-    job.wait_for(lambda: max((r["step"] for r in _after_last(job.records(), "skip") if r["type"] == "train"),
+    job.wait_for(lambda: max((r["step"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"),
                              default=0) >= end, f"step {end} after the rollback")  # fmt: skip
     endpoint.post("stop", "scenario over")
     assert job.wait_exit(timeout=120) == 0, job.tail()
 
     records = job.records()
     before = {r["step"]: r["loss"] for r in records[: records.index(event)] if r["type"] == "train"}
-    after = {r["step"]: r["loss"] for r in _after_last(records, "skip") if r["type"] == "train"}
+    after = {r["step"]: r["loss"] for r in records_after_last(records, "skip") if r["type"] == "train"}
     assert max(before) >= rolled_back_at and min(after) == POISON_AT  # trained on from the checkpoint's step
     clean = statistics.mean(before[s] for s in range(POISON_AT - 10, POISON_AT))
     poisoned = statistics.mean(before[s] for s in range(POISON_AT, POISON_AT + 9))
@@ -105,14 +98,7 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
 
     # The rolled-back-to checkpoint, resumed in a copy of the directory, skips the same window and trains
     # the very same curve.
-    copy = tmp_path / "copy"
-    shutil.copytree(job.checkpoint_dir, copy)
-    (resume_from,) = [f.path for f in checkpoint_files(copy) if f.step == POISON_AT - 1]
-    replay = trainer_job("replay", [f"run.max_steps={end}"], resume=str(resume_from), checkpoint_dir=copy)
-    assert replay.wait_exit(timeout=600) == 0, replay.tail()
-    (replayed_skip,) = replay.records("skip")
-    assert replayed_skip["batches"] == skip["batches"]
-    assert replay.losses() == {s: after[s] for s in range(POISON_AT, end + 1)}
+    replay_rollback(trainer_job, job, tmp_path, end, poison)
 
 
 # --- reduce_micro_batch ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.e2e.harness import UNTIL_STOPPED, record_latency, step_started_at
-from tests.support import sample_value
+from tests.support import records_after_last, replay_rollback, sample_value
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +30,12 @@ POISON_AT, POISON_BATCHES = 121, 40
 MARGIN = POISON_BATCHES + 10
 
 
-def _after_last(records: list[dict], kind: str) -> list[dict]:
-    last = max(i for i, r in enumerate(records) if r["type"] == kind)
-    return records[last + 1 :]
-
-
-def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack) -> None:
+def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack, trainer_job, tmp_path) -> None:
     st = stack("rollback")
     st.retune("divergence_action=rollback")
+    poison = [f"faults.poison.at_batch={POISON_AT}", f"faults.poison.batches={POISON_BATCHES}"]
     job = st.start_trainer(
-        ["checkpoint.every_steps=10", "checkpoint.keep=50", f"faults.poison.at_batch={POISON_AT}",
-         f"faults.poison.batches={POISON_BATCHES}", f"control.rollback_margin_batches={MARGIN}"],
+        ["checkpoint.every_steps=10", "checkpoint.keep=50", *poison, f"control.rollback_margin_batches={MARGIN}"],
         max_steps=UNTIL_STOPPED,
     )  # fmt: skip
     st.wait_for_firing("RankscopeLossDiverging", timeout=240)
@@ -65,12 +60,14 @@ def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack)
     clean = statistics.mean(before[s] for s in range(POISON_AT - 10, POISON_AT))
 
     def recovered() -> bool:
-        after = [r["loss"] for r in _after_last(job.records(), "skip") if r["type"] == "train"]
+        after = [r["loss"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"]
         return len(after) >= 20 and statistics.mean(after[-10:]) < clean
 
     st.wait(recovered, f"the loss back under its pre-poison level {clean:.3f}", timeout=180)
     assert [r["status"] for r in st.settled("rollback", status=None)] == ["applied"]  # once
     assert st.stop_trainer() == 0
+    # Resumed from the checkpoint it rolled back to, a run skips the same window and trains the same curve.
+    replay_rollback(trainer_job, job, tmp_path, restored + 20, poison)
 
 
 def test_host_memory_pressure_halves_the_micro_batch_on_both_ranks_after_a_checkpoint(stack) -> None:
