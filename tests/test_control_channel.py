@@ -12,6 +12,8 @@ import torch
 
 from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity
 from exporter.control import ControlChannel, ControlConfig, ControlPortInUse, ControlStartError
+from exporter.control.actions import ActionRequest
+from exporter.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 from tests.support import fetch, sample_value, samples
 
 TOKEN = "channel-token"
@@ -320,6 +322,115 @@ def test_a_failing_checkpoint_is_reported_failed_and_the_loop_goes_on(make_chann
     assert record["status"] == "failed"
     assert "OSError: disk full" in record["detail"]
     assert actions_total(monitor, "checkpoint", "operator", "failed") == 1
+
+
+# --- recovery actions: the handler contract (exporter/control/recovery.py) ----------------------------
+
+
+class RecoveringLoop(LoopHandler):
+    """A loop that implements rollback and reduce_micro_batch, with checkpoints at steps 10, 20 and 30."""
+
+    def __init__(self, micro_batch: int = 16) -> None:
+        super().__init__()
+        self.requests: list[RollbackRequest] = []
+        self.micro_batch, self.accumulation = micro_batch, 1
+
+    def rollback(self, request: RollbackRequest) -> RollbackDone:
+        self.requests.append(request)
+        found = [step for step in (10, 20, 30) if step < request.before_step]
+        if not found:
+            raise ActionUnavailable(f"no checkpoint before step {request.before_step}")
+        return RollbackDone(found[-1], f"step_{found[-1]}.pt", request.window(found[-1]))
+
+    def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
+        if self.micro_batch < 4:
+            raise ActionUnavailable(f"a micro-batch of {self.micro_batch} cannot be halved")
+        before = (self.micro_batch, self.accumulation)
+        self.micro_batch, self.accumulation = self.micro_batch // 2, self.accumulation * 2
+        return MicroBatchChange(self.micro_batch, self.accumulation, *before)
+
+
+def test_a_loop_without_the_recovery_methods_gets_unsupported_and_keeps_its_cap(make_channel, monitor):
+    channel = make_channel(rollback_max=1, rollback_cooldown_seconds=0.0)
+    ids = [post(channel, "rollback"), post(channel, "reduce_micro_batch")]
+    channel.at_step_boundary(35, LoopHandler())
+    records = recent(channel)
+    assert [records[i]["status"] for i in ids] == ["unsupported", "unsupported"]
+    assert "has no rollback(request) method" in records[ids[0]]["detail"]
+    assert actions_total(monitor, "rollback", "operator", "unsupported") == 1
+    loop = RecoveringLoop()
+    again = post(channel, "rollback")  # the unsupported one used no cap
+    channel.at_step_boundary(36, loop)
+    assert again not in recent(channel)  # settled once the loop is seen back at the checkpoint
+    channel.at_step_boundary(31, loop)
+    assert recent(channel)[again]["status"] == "applied"
+
+
+def test_a_rollback_goes_before_the_given_step_and_skips_through_the_incident_plus_the_margin(make_channel):
+    channel = make_channel(rollback_margin_batches=7)
+    loop = RecoveringLoop()
+    action_id = post(channel, "rollback", before_step=25, lr_factor=0.5)
+    channel.at_step_boundary(40, loop)
+    (request,) = loop.requests
+    assert (request.before_step, request.incident_step, request.skip_batches, request.lr_factor) == (25, 25, None, 0.5)
+    assert request.window(20) == 25 - 20 + 7 and request.reason == "operator:unit"
+    channel.at_step_boundary(21, loop)
+    assert recent(channel)[action_id]["status"] == "applied"
+
+
+def test_a_rollback_from_an_alert_goes_back_to_the_step_at_its_starts_at(make_channel):
+    channel = make_channel()
+    loop = RecoveringLoop()
+    for step in range(1, 31):
+        channel.at_step_boundary(step, loop)
+    middle = channel._history[14][0]  # when the run was at step 15
+    request = ActionRequest("rollback", "alert", "alert:RankscopeLossDiverging", key="f@t", started_at=middle + 1e-6)
+    channel.queue.submit([request])
+    channel.at_step_boundary(31, loop)
+    assert loop.requests[-1].before_step == 15 and loop.requests[-1].incident_step == 15
+
+
+def test_a_rollback_the_loop_did_not_follow_is_overridden(make_channel):
+    channel = make_channel()
+    action_id = post(channel, "rollback")
+    loop = RecoveringLoop()
+    channel.at_step_boundary(40, loop)
+    channel.at_step_boundary(41, loop)  # the loop trained on from 40 instead of from 30
+    record = recent(channel)[action_id]
+    assert record["status"] == "overridden" and "went on from step 40" in record["detail"], record
+
+
+def test_a_rollback_with_no_checkpoint_before_the_incident_is_refused_unavailable(make_channel, monitor):
+    channel = make_channel()
+    action_id = post(channel, "rollback", before_step=5)
+    channel.at_step_boundary(40, RecoveringLoop())
+    record = recent(channel)[action_id]
+    assert record["status"] == "refused_unavailable" and "no checkpoint before step 5" in record["detail"]
+    assert actions_total(monitor, "rollback", "operator", "refused_unavailable") == 1
+
+
+def test_reduce_micro_batch_is_applied_until_it_cannot_be_halved(make_channel):
+    channel = make_channel(micro_batch_cooldown_seconds=0.0, micro_batch_max_reductions=0)
+    loop = RecoveringLoop(micro_batch=8)
+    outcomes = []
+    for step in (1, 2, 3):
+        action_id = post(channel, "reduce_micro_batch")
+        channel.at_step_boundary(step, loop)
+        outcomes.append(recent(channel)[action_id]["status"])
+    assert outcomes == ["applied", "applied", "refused_unavailable"]
+    assert (loop.micro_batch, loop.accumulation) == (2, 4)
+
+
+def test_a_micro_batch_change_that_alters_the_global_batch_is_failed(make_channel):
+    class Careless(RecoveringLoop):
+        def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
+            return MicroBatchChange(8, 1, 16, 1)  # halved without doubling accumulation
+
+    channel = make_channel()
+    action_id = post(channel, "reduce_micro_batch")
+    channel.at_step_boundary(1, Careless())
+    record = recent(channel)[action_id]
+    assert record["status"] == "failed" and "not a smaller micro-batch of the same global batch" in record["detail"]
 
 
 def test_resume_without_a_pause_is_a_noop(make_channel):
