@@ -35,8 +35,9 @@ rollback is fewer than the run consumed, so it trains on skipped batches again; 
 that (the Trainer fetches the first batches before any callback event), and warns. Resume with
 `TrainingArguments(ignore_data_skip=True)` instead: the Trainer then does not fast-forward, and the callback
 moves the data to the position recorded in `checkpoint-<M>/rankscope.json` (it looks in `args.output_dir`
-only, for M = the resumed global_step), which skips the window again. It can when that position is in the epoch the Trainer starts in (`global_step //
-steps per epoch`); otherwise it goes to `global_step` like the Trainer would, and warns.
+only, for M = the resumed global_step), which skips the window again. It can when that position is in the
+epoch the Trainer starts in (`global_step // steps per epoch`); otherwise it goes to `global_step` like the
+Trainer would, and warns.
 
 `reduce_micro_batch` is not possible from a callback with this Trainer: see `micro_batch_unavailable`.
 """

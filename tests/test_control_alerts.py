@@ -100,8 +100,11 @@ def test_an_alert_name_with_control_characters_is_cleaned_not_refused():
         (payload(alert(action="explode")), 422, "alerts[0] ('LossPlateau'): unknown action 'explode'"),
         (payload(alert(action="reduce_lr", lr_factor="lots")), 422, "lr_factor must be a number, got 'lots'"),
         (payload(alert(action="reduce_lr", lr_factor="1.5")), 422, "lr_factor must be between 0 and 1"),
-        (payload(alert(action="pause", lr_factor="0.5")), 422,
-         "lr_factor applies only to reduce_lr or rollback, not to pause"),
+        (
+            payload(alert(action="pause", lr_factor="0.5")),
+            422,
+            "lr_factor applies only to reduce_lr or rollback, not to pause",
+        ),
     ],
 )
 def test_malformed_payloads_are_refused_with_a_one_line_reason(body, status, message):

@@ -14,7 +14,7 @@ from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity
 from exporter.control import ControlChannel, ControlConfig, ControlPortInUse, ControlStartError
 from exporter.control.actions import ActionRequest
 from exporter.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
-from tests.support import fetch, sample_value, samples
+from tests.support import fetch, sample_value, samples, wait_for
 
 TOKEN = "channel-token"
 
@@ -398,6 +398,28 @@ def test_a_rollback_the_loop_did_not_follow_is_overridden(make_channel):
     channel.at_step_boundary(41, loop)  # the loop trained on from 40 instead of from 30
     record = recent(channel)[action_id]
     assert record["status"] == "overridden" and "went on from step 40" in record["detail"], record
+
+
+def test_a_rollback_while_paused_is_applied_once_the_resumed_loop_trains_from_the_checkpoint(make_channel):
+    channel = make_channel(pause_heartbeat_seconds=0.05)
+    loop = RecoveringLoop()
+    post(channel, "pause")
+    rollback, resume = [], []
+
+    def operator() -> None:
+        wait_for(lambda: channel.paused, 10, "the pause")
+        rollback.append(post(channel, "rollback"))
+        wait_for(lambda: loop.requests, 10, "the rollback to be carried out")
+        time.sleep(0.2)  # held over a span of heartbeats (0.05 s): the rollback must stay pending throughout
+        resume.append(post(channel, "resume"))
+
+    helper = threading.Thread(target=operator)
+    helper.start()
+    channel.at_step_boundary(40, loop)  # held here until resumed
+    helper.join()
+    assert rollback[0] not in recent(channel)
+    channel.at_step_boundary(31, loop)
+    assert recent(channel)[rollback[0]]["status"] == "applied"
 
 
 def test_a_rollback_with_no_checkpoint_before_the_incident_is_refused_unavailable(make_channel, monitor):

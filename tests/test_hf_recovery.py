@@ -108,8 +108,9 @@ def metrics() -> MonitorConfig:
     return MonitorConfig(host="127.0.0.1", base_port=0)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
+    """One thread per training run (module-wide, so it holds for the module's shared run too)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

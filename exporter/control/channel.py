@@ -502,7 +502,9 @@ class ControlChannel:
         # Seen at the next exchange: a loop that went back is at most one check interval past the checkpoint.
         reached = done.checkpoint_step + self.config.check_every_n_steps
 
-        def went_back() -> bool | str:
+        def went_back() -> bool | str | None:
+            if self._paused:
+                return None  # held at the boundary: the loop trains on from the checkpoint once resumed
             if self._boundary_step <= reached:
                 return True
             return f"the loop went on from step {step} instead of the checkpoint's step {done.checkpoint_step}"
