@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from ._files import write_atomically
 
 __all__ = ["write_file_sd"]
 
@@ -44,14 +45,4 @@ def write_file_sd(monitor: Any, path: str | os.PathLike[str], advertise_host: st
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda handle: handle.write(text.encode()))

@@ -194,6 +194,16 @@ class _Job:
     def both(self, name: str) -> tuple[float, float]:
         return self.value(0, name), self.value(1, name)
 
+    def wait_for_steps(self, proc: subprocess.Popen, steps: int) -> None:
+        """Until both ranks have made `steps` steps; the job must still be running then."""
+        wait_for(
+            lambda: proc.poll() is not None or min(self.both("rankscope_steps_total")) >= steps,
+            300,
+            "training",
+            self.diagnose,
+        )
+        assert proc.poll() is None, f"job exited early:\n{self.diagnose()}"
+
     def diagnose(self) -> str:
         return tail(self.log)
 
@@ -213,13 +223,7 @@ def controlled_run(tmp_path_factory):
     env = {"RANKSCOPE_CONTROL_TOKEN": job.token}
     proc = torchrun(2, target, master_port=free_port(), extra_env=env, log=job.log)
     try:
-        wait_for(
-            lambda: proc.poll() is not None or min(job.both("rankscope_steps_total")) >= 3,
-            300,
-            "training",
-            job.diagnose,
-        )
-        assert proc.poll() is None, f"job exited early:\n{job.diagnose()}"
+        job.wait_for_steps(proc, 3)
 
         reduce_id = job.act("reduce_lr", params={"lr_factor": 0.5})
         save_id = job.act("checkpoint", reason="test")

@@ -325,13 +325,7 @@ def test_both_processes_roll_back_to_the_same_checkpoint_and_skip_alike(tmp_path
     target += ["--control", "--control-port", job.control.rsplit(":", 1)[1]]
     proc = torchrun(2, target, master_port=free_port(), extra_env={"RANKSCOPE_CONTROL_TOKEN": job.token}, log=job.log)
     try:
-        wait_for(
-            lambda: proc.poll() is not None or min(job.both("rankscope_steps_total")) >= 9,
-            300,
-            "training",
-            job.diagnose,
-        )
-        assert proc.poll() is None, f"job exited early:\n{job.diagnose()}"
+        job.wait_for_steps(proc, 9)
         (record,) = job.settled([job.act("rollback", reason="test", params={"before_step": 6})]).values()
         assert record["status"] == "applied", record
         skipped = wait_for(lambda: min(job.both("rankscope_skipped_batches_total")), 60, "skip counters", job.diagnose)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from exporter._files import write_atomically as write_file_atomically
 from exporter.control import record_checkpoint, record_checkpoint_failure
 
 from .runtime import Runtime, get_rng_state
@@ -115,22 +116,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 def write_atomically(state: dict[str, Any], path: Path) -> None:
     """torch.save to a temporary file, fsync, rename over `path`, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power loss
-    finally:
-        os.close(directory)
+    write_file_atomically(path, lambda handle: torch.save(state, handle), sync_directory=True)
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

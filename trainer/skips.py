@@ -15,11 +15,11 @@ the first one's record: the latest decision is the one a resume reproduces.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from exporter._files import write_atomically
 
 __all__ = ["SkipRecord", "merge_skips", "read_skip_file", "skip_file", "write_skip_file"]
 
@@ -88,14 +88,6 @@ def read_skip_file(directory: str | Path, lineage: str) -> list[SkipRecord]:
 def write_skip_file(directory: str | Path, lineage: str, records: list[SkipRecord]) -> Path:
     """Write the lineage's records atomically (temporary file, fsync, rename)."""
     path = skip_file(directory, lineage)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump([record.to_json() for record in records], handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps([record.to_json() for record in records], indent=1)
+    write_atomically(path, lambda handle: handle.write(text.encode()))
     return path

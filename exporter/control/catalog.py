@@ -93,7 +93,7 @@ BEFORE_STEP = Parameter(
     "roll back to the newest checkpoint written before this step (default: the step at the alert's startsAt, "
     "or the current step)",
     minimum=1,
-    maximum=2**53,
+    maximum=10**12,
     integer=True,
     exclusive=False,
     flag="--before-step",
@@ -103,7 +103,7 @@ SKIP_BATCHES = Parameter(
     "batches of data to skip after the checkpoint (default: those trained between it and the incident, "
     "plus control.rollback_margin_batches)",
     minimum=0,
-    maximum=2**53,
+    maximum=10**12,
     integer=True,
     exclusive=False,
 )
