@@ -59,6 +59,33 @@ def test_a_nonfinite_loss_comes_only_at_its_steps_and_on_its_rank() -> None:
     assert torch.isnan(loss.grad)  # backward still runs, as for a real overflow
 
 
+def test_poison_scrambles_the_captions_of_its_data_batches_only_and_draws_no_randomness() -> None:
+    from trainer.data import Batch
+
+    def batch() -> Batch:
+        ids = torch.arange(12).reshape(4, 3)
+        return Batch(torch.zeros(4, 3, 2, 2), ids, torch.ones(4, 3, dtype=torch.long), torch.tensor([3, 2, 3, 1]),
+                     torch.ones(4, 2, dtype=torch.long))  # fmt: skip
+
+    faults = FaultInjector(_faults(poison={"at_batch": 5, "batches": 2}), rank=0, restart_count=0)
+    assert faults.config.active() == ["poison"]
+    rng = torch.get_rng_state()
+    hit = [index for index in range(1, 10) if not torch.equal(faults.poison(index, [batch()])[0].input_ids,
+                                                              batch().input_ids)]  # fmt: skip
+    assert hit == [5, 6]
+    (scrambled,) = faults.poison(5, [batch()])
+    assert scrambled.input_ids[1].tolist() == batch().input_ids[0].tolist()  # image 1 gets caption 0
+    assert scrambled.lengths.tolist() == [1, 3, 2, 3] and torch.equal(scrambled.images, batch().images)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_poison_settings_are_checked_with_their_names() -> None:
+    with pytest.raises(ValueError, match="faults.poison.at_batch must be >= 0"):
+        _faults(poison={"at_batch": -1})
+    with pytest.raises(ValueError, match="faults.poison.batches must be >= 1"):
+        _faults(poison={"batches": 0})
+
+
 def test_a_memory_balloon_grows_resident_memory_step_by_step_up_to_its_size() -> None:
     process = psutil.Process()
     faults = FaultInjector(
