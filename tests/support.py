@@ -222,21 +222,35 @@ def records_after_last(records: list[dict[str, Any]], kind: str) -> list[dict[st
     return records[last + 1 :]
 
 
-def replay_rollback(trainer_job: Callable[..., Any], job: Any, workdir: Path, end: int, settings: list[str]) -> None:
-    """Resume a copy of `job`'s checkpoint directory from the checkpoint its last rollback loaded, train to step
-    `end` with `settings`, and require the very losses `job` trained after that rollback: the skip record
-    (skips-<lineage>.json) makes the resumed run skip the same window from the same state."""
+def replay_rollback(
+    trainer_job: Callable[..., Any],
+    job: Any,
+    workdir: Path,
+    end: int,
+    settings: list[str],
+    from_step: int | None = None,
+) -> None:
+    """Resume a copy of `job`'s checkpoint directory from the checkpoint its last rollback loaded (or from the one
+    at `from_step`, before it), train to step `end` with `settings`, and require the very losses `job` trained:
+    the skip record (skips-<lineage>.json) makes the resumed run skip the same window from the same state."""
     import shutil
 
     from trainer.checkpoint import checkpoint_files
 
-    restored = job.records("rollback")[-1]["step"]
-    after = {r["step"]: r["loss"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"}
+    records = job.records()
+    rollback = [r for r in records if r["type"] == "rollback"][-1]
+    restored = rollback["step"]
+    before = {r["step"]: r["loss"] for r in records[: records.index(rollback)] if r["type"] == "train"}
+    after = {r["step"]: r["loss"] for r in records_after_last(records, "skip") if r["type"] == "train"}
     assert max(after) >= end, f"the job trained only to step {max(after)} after its rollback, not {end}"
-    copy = workdir / "replay-checkpoints"
+    start = restored if from_step is None else from_step
+    copy = workdir / f"replay-from-{start}"
     shutil.copytree(job.checkpoint_dir, copy)
-    (resume_from,) = [f.path for f in checkpoint_files(copy) if f.step == restored]
-    replay = trainer_job("replay", [*settings, f"run.max_steps={end}"], resume=str(resume_from), checkpoint_dir=copy)
+    (resume_from,) = [f.path for f in checkpoint_files(copy) if f.step == start]
+    replay = trainer_job(f"replay-{start}", [*settings, f"run.max_steps={end}"], resume=str(resume_from),
+                         checkpoint_dir=copy)  # fmt: skip
     assert replay.wait_exit(timeout=600) == 0, replay.tail()
     assert [r["batches"] for r in replay.records("skip")] == [job.records("skip")[-1]["batches"]]
-    assert replay.losses() == {step: after[step] for step in range(restored + 1, end + 1)}
+    expected = {step: before[step] for step in range(start + 1, restored + 1)}
+    expected.update({step: after[step] for step in range(restored + 1, end + 1)})
+    assert replay.losses() == expected

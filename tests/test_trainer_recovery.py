@@ -99,6 +99,8 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
     # The rolled-back-to checkpoint, resumed in a copy of the directory, skips the same window and trains
     # the very same curve.
     replay_rollback(trainer_job, job, tmp_path, end, poison)
+    # So does a run resumed from an earlier checkpoint: it reaches the window mid-epoch and skips it there.
+    replay_rollback(trainer_job, job, tmp_path, end, poison, from_step=POISON_AT - 11)
 
 
 # --- reduce_micro_batch ---------------------------------------------------------------------------

@@ -191,6 +191,8 @@ class Trainer:
             self._at_step_boundary()
             if self.step >= self.cfg.run.max_steps or self.stop_reason is not None or self._reposition:
                 return
+            if self._skip_due():  # a run resumed before a rollback's checkpoint reaches its window mid-epoch
+                return
 
     def _advance(self, steps: int) -> None:
         """Move the data position on by `steps` steps' worth of samples, into later epochs if need be."""
@@ -501,6 +503,9 @@ class Trainer:
         self._reposition = True
         where = f"epoch {record.epoch} sample {record.sample}"
         return RollbackDone(step, path.name, record.batches, f"from step {left}; data from {where} skipped")
+
+    def _skip_due(self) -> bool:
+        return any(record.key == (self.step, self.epoch, self.sample_in_epoch) for record in self.skips)
 
     def _replay_skips(self) -> None:
         """Skip each recorded window whose checkpoint step and data position the run is at now."""
