@@ -102,6 +102,28 @@ def test_a_learning_rate_drop_in_the_run_log_gives_the_step_of_the_reduction(tmp
     assert action.fault_to_action == pytest.approx(2.0)
 
 
+def test_a_rollback_and_a_micro_batch_cut_in_the_run_log_are_actions_with_their_step_and_cause(tmp_path) -> None:
+    rollback_alert = {"severity": "ticket", "action": "rollback", "run_id": "r"}
+    alerts = [_alert("RankscopeLossDiverging", "firing", [20, 21, 22], **rollback_alert)]
+    counters = [_counter("rollback", "applied", [(19, 0), (23, 1)]),
+                _counter("reduce_micro_batch", "applied", [(40, 0), (42, 1)], source="operator")]  # fmt: skip
+    log = _log(tmp_path, [
+        {"type": "start", "step": 0, "time": T0},
+        {"type": "resume", "step": 10, "path": "x", "reason": "interval", "time": T0 + 1},
+        {"type": "rollback", "step": 120, "path": "c", "reason": "interval", "action_reason":
+         "alert:RankscopeLossDiverging", "rolled_back_from": 143, "time": T0 + 22.5},
+        {"type": "micro_batch", "step": 150, "micro_batch": 8, "accumulation": 2, "reason": "operator:memory",
+         "time": T0 + 41.5},
+    ])  # fmt: skip
+    found = find_incidents(alerts, counters, interval=EVAL, end=T0 + 60, log=log)
+    rollback, cut = found.actions
+    assert (rollback.action, rollback.step, rollback.at) == ("rollback", 143, T0 + 22.5)
+    assert rollback.reason == "back to step 120 (alert:RankscopeLossDiverging)"
+    assert rollback.cause is not None and rollback.cause.alertname == "RankscopeLossDiverging"
+    assert (cut.action, cut.step, cut.reason) == ("reduce_micro_batch", 150, "micro-batch 8 x 2 (operator:memory)")
+    assert cut.evidence == ["prometheus", "run log"]
+
+
 def test_a_refusal_is_the_alerts_doing_but_has_no_fault_to_action_time_and_an_operator_stop_no_cause() -> None:
     alerts = [_alert("RankscopeLossDiverging", "firing", [10, 11], **DIVERGING)]
     counters = [

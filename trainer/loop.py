@@ -421,7 +421,7 @@ class Trainer:
             "control": self.channel.state_dict() if self.channel is not None else {},
         }
 
-    def _restore(self, path: Any, state: dict[str, Any], event: str = "resume") -> None:
+    def _restore(self, path: Any, state: dict[str, Any], event: str = "resume", **event_fields: Any) -> None:
         try:  # first, so that a damaged record changes nothing
             recorded = read_skip_file(self.checkpoints.directory, self.checkpoints.lineage)
         except ValueError as exc:
@@ -455,7 +455,7 @@ class Trainer:
         self.skips = merge_skips([SkipRecord.from_json(item) for item in state.get("skips", [])], self.skips, recorded)
         self.monitor.set_step(self.step)
         self.checkpoints.last_step = self.step
-        self.log.event(event, step=self.step, path=str(path), reason=state.get("reason", ""))
+        self.log.event(event, step=self.step, path=str(path), reason=state.get("reason", ""), **event_fields)
         if self.rt.is_main:
             logger.info("%s from %s at step %d (epoch %d, sample %d; written for: %s)", event, path, self.step,
                         self.epoch, self.sample_in_epoch, state.get("reason", "?"))  # fmt: skip
@@ -490,7 +490,7 @@ class Trainer:
                 f"no readable checkpoint of this run before step {request.before_step} in "
                 f"{self.checkpoints.directory} (this run's history has steps: {known})"
             )
-        self._restore(path, state, event="rollback")
+        self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left)
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
         record = SkipRecord(step, self.epoch, self.sample_in_epoch, request.window(step), request.lr_factor,
                             request.incident_step, left, request.reason)  # fmt: skip

@@ -175,7 +175,7 @@ def action_events(counters: Sequence[Series]) -> list[ActionEvent]:
 
 
 def _log_actions(log: RunLog) -> list[ActionEvent]:
-    """Actions the run log shows: alert checkpoints, stops, learning-rate reductions."""
+    """Actions the run log shows: alert checkpoints, stops, learning-rate reductions, rollbacks, micro-batch cuts."""
     found = []
     for record in log.of("checkpoint"):
         reason = str(record.get("reason", ""))
@@ -186,6 +186,19 @@ def _log_actions(log: RunLog) -> list[ActionEvent]:
         source = "alert" if kind == "alert" else "operator"
         found.append(ActionEvent(action, source, "applied", float(record["time"]), step=record.get("step"),
                                  reason=reason, evidence=["run log"]))  # fmt: skip
+    for kind, action in (("rollback", "rollback"), ("micro_batch", "reduce_micro_batch")):
+        for record in log.of(kind):
+            reason = str(record.get("action_reason" if kind == "rollback" else "reason", ""))
+            if not reason or not isinstance(record.get("time"), int | float):
+                continue  # a resume's record, or a record without its time
+            if kind == "rollback":
+                step, what = record.get("rolled_back_from"), f"back to step {record.get('step')}"
+            else:
+                step = record.get("step")
+                what = f"micro-batch {record.get('micro_batch')} x {record.get('accumulation')}"
+            source = "alert" if reason.startswith("alert:") else "operator"
+            found.append(ActionEvent(action, source, "applied", float(record["time"]), step=step,
+                                     reason=f"{what} ({reason})", evidence=["run log"]))  # fmt: skip
     train = log.train()
     # A record's own time is when its batch of steps was flushed: a true "applied by" for the step.
     steps, lrs, flushed = train["step"], train["lr"], train["flushed"]
