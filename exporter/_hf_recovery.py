@@ -35,7 +35,8 @@ rollback is fewer than the run consumed, so it trains on skipped batches again; 
 that (the Trainer fetches the first batches before any callback event), and warns. Resume with
 `TrainingArguments(ignore_data_skip=True)` instead: the Trainer then does not fast-forward, and the callback
 moves the data to the position recorded in `checkpoint-<M>/rankscope.json` (it looks in `args.output_dir`
-only, for M = the resumed global_step), which skips the window again. It can when that position is in the
+only, for M = the resumed global_step), which skips the window again. Where no rollback skipped data before
+M, ignore_data_skip keeps its meaning: the data is not moved. It can when that position is in the
 epoch the Trainer starts in (`global_step // steps per epoch`); otherwise it goes to `global_step` like the
 Trainer would, and warns.
 
@@ -51,11 +52,13 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._files import write_atomically
 from .control.lr import scale_learning_rates
 from .control.recovery import ActionUnavailable, RollbackDone, RollbackRequest
 
@@ -181,7 +184,8 @@ class TrainerRecovery:
         if per_epoch is None:
             return
         epoch_start = (resumed // per_epoch) * per_epoch
-        if recorded is None:  # ignore_data_skip and no record of ours: the user's choice, the data is not moved
+        if recorded is None or recorded == resumed:
+            # ignore_data_skip where no rollback skipped data: the user's choice stands, the data is not moved.
             self.data_steps = epoch_start
             return
         if not _can_drop(train_dataloader):
@@ -471,8 +475,5 @@ def _read_records(path: str) -> list[Any]:
 
 
 def _write_json(path: str, document: Any) -> None:
-    """Write atomically: a reader (or a crash) never sees half a file."""
-    partial = f"{path}.{os.getpid()}.tmp"
-    with open(partial, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=1)
-    os.replace(partial, path)
+    text = json.dumps(document, indent=1)
+    write_atomically(Path(path), lambda handle: handle.write(text.encode()))

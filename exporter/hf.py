@@ -187,10 +187,10 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
             self.monitor.watch(model, optimizer)
         self._attach_comm_hook(args.world_size)
         self.monitor.set_step(state.global_step)  # resumed runs continue their count
-        lr_floor = self.control.lr_floor if self.control is not None else 0.0
-        self._recovery = TrainerRecovery(self._trainer, self.monitor, lr_floor=lr_floor)
-        with self._guard():
-            self._recovery.train_begin(args, state, kwargs.get("train_dataloader"))
+        if self.control is not None:  # metrics alone never touch the data or the checkpoints
+            self._recovery = TrainerRecovery(self._trainer, self.monitor, lr_floor=self.control.lr_floor)
+            with self._guard():
+                self._recovery.train_begin(args, state, kwargs.get("train_dataloader"))
         if self.control is not None and self.channel is None:
             # Collective: every process reaches on_train_begin, after the Trainer set up the process group.
             self.channel = ControlChannel(

@@ -356,7 +356,7 @@ def test_a_loop_without_the_recovery_methods_gets_unsupported_and_keeps_its_cap(
     channel.at_step_boundary(35, LoopHandler())
     records = recent(channel)
     assert [records[i]["status"] for i in ids] == ["unsupported", "unsupported"]
-    assert "has no rollback(request) method" in records[ids[0]]["detail"]
+    assert "has no rollback() method" in records[ids[0]]["detail"]
     assert actions_total(monitor, "rollback", "operator", "unsupported") == 1
     loop = RecoveringLoop()
     again = post(channel, "rollback")  # the unsupported one used no cap

@@ -259,7 +259,7 @@ def _resume(rolled_back, ignore_data_skip: bool) -> list[tuple[int, ...]]:
     trained = trace_training(trainer, dataset)
     run(
         trainer,
-        RankscopeCallback.attach(trainer, metrics()),
+        RankscopeCallback.attach(trainer, metrics(), controlled(rolled_back["out"])),
         resume_from_checkpoint=str(rolled_back["out"] / "checkpoint-12"),
     )
     return trained
@@ -281,6 +281,36 @@ def test_the_trainers_own_resume_trains_on_the_skipped_window_and_warns(rolled_b
         "12-20, which the run had skipped or trained already, are trained on again; resume with "
         "TrainingArguments(ignore_data_skip=True) to let rankscope continue at 21"
     ]
+
+
+def _plain_run(out, control: bool, resume: str | None = None, ignore_data_skip: bool = False) -> list:
+    """6 steps (or on to 6 from `resume`), checkpoints every 2, no rollback; the micro-batches trained."""
+    dataset = TracedDataset(4096)
+    trainer = build_trainer(str(out), 6, batch_size=BATCH, save_steps=2)
+    trainer.train_dataset = dataset
+    trainer.args.ignore_data_skip = ignore_data_skip
+    trained = trace_training(trainer, dataset)
+    callback = RankscopeCallback.attach(trainer, metrics(), controlled(out) if control else None)
+    run(trainer, callback, **({"resume_from_checkpoint": resume} if resume else {}))
+    return trained
+
+
+def test_metrics_alone_write_nothing_into_the_trainers_checkpoints(tmp_path):
+    _plain_run(tmp_path, control=False)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not list(tmp_path.glob("checkpoint-*/rankscope.json"))
+
+
+def test_where_no_rollback_skipped_data_ignore_data_skip_keeps_its_meaning(tmp_path):
+    """A resume from checkpoint-4 with ignore_data_skip and no rollback before it starts the epoch's data again,
+    exactly as without the callback's control."""
+    _plain_run(tmp_path / "a", control=True)
+    _plain_run(tmp_path / "b", control=False)
+    resumed = {
+        control: _plain_run(tmp_path / name, control, str(tmp_path / name / "checkpoint-4"), ignore_data_skip=True)
+        for name, control in (("a", True), ("b", False))
+    }
+    assert resumed[True] == resumed[False] and len(resumed[True]) == 2
 
 
 # --- a skip that reaches into the next epoch, with gradient accumulation --------------------------------------------

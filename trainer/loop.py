@@ -191,7 +191,7 @@ class Trainer:
             self._at_step_boundary()
             if self.step >= self.cfg.run.max_steps or self.stop_reason is not None or self._reposition:
                 return
-            if self._skip_due():  # a run resumed before a rollback's checkpoint reaches its window mid-epoch
+            if self._skip_due() is not None:  # a run resumed before a rollback's checkpoint reaches it mid-epoch
                 return
 
     def _advance(self, steps: int) -> None:
@@ -472,24 +472,20 @@ class Trainer:
 
     def rollback(self, request: RollbackRequest) -> RollbackDone:
         """Load the newest checkpoint of this run's history before `request.before_step`, then skip the data
-        window after it (applied by `_replay_skips` when the loop reaches the checkpoint's position)."""
+        window after it (applied by `_replay_skips` when the loop reaches the checkpoint's position).
+
+        Collective: every rank finds and reads its candidate first, and all compare before any changes, so a
+        rank that cannot read the file refuses the rollback on every rank instead of leaving replicas apart."""
         left = self.step
+        found, problem = self._rollback_source(request.before_step)
+        choices = self.rt.gather_objects((str(found[1]) if found else None, problem))
+        if found is None or len({path for path, _ in choices}) != 1:
+            if len(set(choices)) == 1:
+                raise ActionUnavailable(problem)
+            answers = [f"rank {rank}: {why or path}" for rank, (path, why) in enumerate(choices)]
+            raise ActionUnavailable(("the ranks disagree: " + "; ".join(answers))[:300])
+        step, path, state = found
         self.log.flush()  # the steps trained before the rollback go to the log before its record
-        for step, path in sorted(self._timeline, key=lambda item: item[0], reverse=True):
-            if step >= request.before_step or not path.is_file():
-                continue
-            try:
-                state = read_checkpoint(path)
-            except CheckpointError as exc:
-                logger.warning("%s; rollback tries the one before it", exc)
-                continue
-            break
-        else:
-            known = ", ".join(str(s) for s, _ in self._timeline) or "none"
-            raise ActionUnavailable(
-                f"no readable checkpoint of this run before step {request.before_step} in "
-                f"{self.checkpoints.directory} (this run's history has steps: {known})"
-            )
         self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left)
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
         record = SkipRecord(step, self.epoch, self.sample_in_epoch, request.window(step), request.lr_factor,
@@ -504,14 +500,29 @@ class Trainer:
         where = f"epoch {record.epoch} sample {record.sample}"
         return RollbackDone(step, path.name, record.batches, f"from step {left}; data from {where} skipped")
 
-    def _skip_due(self) -> bool:
-        return any(record.key == (self.step, self.epoch, self.sample_in_epoch) for record in self.skips)
+    def _rollback_source(self, before_step: int) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
+        """(step, path, state) of the newest readable checkpoint of this run's history before `before_step`, or
+        (None, why not)."""
+        for step, path in sorted(self._timeline, key=lambda item: item[0], reverse=True):
+            if step >= before_step or not path.is_file():
+                continue
+            try:
+                return (step, path, read_checkpoint(path)), ""
+            except CheckpointError as exc:
+                logger.warning("%s; rollback tries the one before it", exc)
+        known = ", ".join(str(s) for s, _ in self._timeline) or "none"
+        where = self.checkpoints.directory
+        return None, f"no readable checkpoint of this run before step {before_step} in {where} (history: {known})"
+
+    def _skip_due(self) -> SkipRecord | None:
+        """The recorded window that starts at the run's step and data position now, if any."""
+        here = (self.step, self.epoch, self.sample_in_epoch)
+        return next((record for record in self.skips if record.key == here), None)
 
     def _replay_skips(self) -> None:
-        """Skip each recorded window whose checkpoint step and data position the run is at now."""
-        for record in self.skips:
-            if record.key != (self.step, self.epoch, self.sample_in_epoch):
-                continue
+        """Skip the recorded window whose checkpoint step and data position the run is at now."""
+        record = self._skip_due()
+        if record is not None:
             self._advance(record.batches)
             if record.lr_factor < 1.0:
                 scale_learning_rates(self.optimizer, self.scheduler, record.lr_factor)
@@ -522,7 +533,6 @@ class Trainer:
             logger.warning("rank %d skips %d batches of data after step %d (rollback: %s); now at epoch %d sample %d",
                            self.rt.rank, record.batches, self.step, record.reason, self.epoch,
                            self.sample_in_epoch)  # fmt: skip
-            return
 
     def reduce_micro_batch(self, reason: str) -> MicroBatchChange:
         """Checkpoint, then halve the micro-batch and double accumulation from the next step on."""

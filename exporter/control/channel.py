@@ -483,17 +483,26 @@ class ControlChannel:
 
         return self._expect(order, step, check, undo)
 
-    def _rollback(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
-        method = getattr(handler, "rollback", None)
-        if method is None:
-            return _UNSUPPORTED, f"{type(handler).__name__} has no rollback(request) method"
-        request = RollbackRequest(**order["rollback"])
+    @staticmethod
+    def _ask_loop(handler: ControlHandler, method: str, argument: Any, answer: type) -> tuple[Any, tuple[int, str]]:
+        """Call the loop's optional `method(argument)` (see `recovery`): (its answer, (_APPLIED, "")), or
+        (None, the outcome): unsupported without the method, refused_unavailable if it raised
+        ActionUnavailable, failed for an answer that is not an `answer`."""
+        call = getattr(handler, method, None)
+        if call is None:
+            return None, (_UNSUPPORTED, f"{type(handler).__name__} has no {method}() method")
         try:
-            done = method(request)
+            result = call(argument)
         except ActionUnavailable as exc:
-            return _REFUSED, str(exc)[:200]
-        if not isinstance(done, RollbackDone):
-            return _FAILED, f"rollback() returned {type(done).__name__}, not a RollbackDone"
+            return None, (_REFUSED, str(exc)[:200])
+        if not isinstance(result, answer):
+            return None, (_FAILED, f"{method}() returned {type(result).__name__}, not a {answer.__name__}")
+        return result, (_APPLIED, "")
+
+    def _rollback(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        done, outcome = self._ask_loop(handler, "rollback", RollbackRequest(**order["rollback"]), RollbackDone)
+        if done is None:
+            return outcome
         if self.rank == 0:
             logger.warning(
                 "rankscope: rollback at step %d to checkpoint step %d (%s), skipping %d batches: %s",
@@ -512,15 +521,9 @@ class ControlChannel:
         return self._expect(order, step, went_back)
 
     def _reduce_micro_batch(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
-        method = getattr(handler, "reduce_micro_batch", None)
-        if method is None:
-            return _UNSUPPORTED, f"{type(handler).__name__} has no reduce_micro_batch(reason) method"
-        try:
-            change = method(order["reason"])
-        except ActionUnavailable as exc:
-            return _REFUSED, str(exc)[:200]
-        if not isinstance(change, MicroBatchChange):
-            return _FAILED, f"reduce_micro_batch() returned {type(change).__name__}, not a MicroBatchChange"
+        change, outcome = self._ask_loop(handler, "reduce_micro_batch", order["reason"], MicroBatchChange)
+        if change is None:
+            return outcome
         same_global = change.micro_batch * change.accumulation_steps == (
             change.previous_micro_batch * change.previous_accumulation_steps
         )
