@@ -34,8 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from exporter import RankIdentity, create_monitor, write_file_sd
-from exporter.control import ControlChannel, scale_learning_rates
-from exporter.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
+from exporter.control import (
+    ActionUnavailable,
+    ControlChannel,
+    MicroBatchChange,
+    RollbackDone,
+    RollbackRequest,
+    scale_learning_rates,
+)
 
 from . import _extra  # noqa: F401 - first: the trainer extra's packages, or one line naming the missing one
 from .checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError, read_checkpoint
@@ -516,6 +522,8 @@ class Trainer:
 
     def _skip_due(self) -> SkipRecord | None:
         """The recorded window that starts at the run's step and data position now, if any."""
+        if not self.skips:  # every step asks: nothing to build when no rollback happened
+            return None
         here = (self.step, self.epoch, self.sample_in_epoch)
         return next((record for record in self.skips if record.key == here), None)
 

@@ -9,13 +9,16 @@
     ...
     channel.close()
 
-`handler` is the loop's: `checkpoint(reason)` and `request_stop(reason)`.
+`handler` is the loop's: `checkpoint(reason)` and `request_stop(reason)`, and optionally
+`rollback(RollbackRequest)` and `reduce_micro_batch(reason)` (see `recovery`).
 Routes (rank 0): POST /v1/alerts (Alertmanager webhook v4), POST /v1/actions,
 GET /v1/status, GET /healthz; see openapi.yaml beside this file.
 
 Public API: :class:`ControlChannel`, :class:`ControlConfig`,
 :class:`ControlHandler`, :class:`ControlStartError`, :class:`ControlPortInUse`,
-:func:`record_checkpoint`, :func:`record_checkpoint_failure`, :data:`ACTIONS`, :data:`RESULTS`, and for embedding
+:func:`record_checkpoint`, :func:`record_checkpoint_failure`, :data:`ACTIONS`, :data:`RESULTS`, the recovery
+contract (:class:`RollbackRequest`, :class:`RollbackDone`, :class:`MicroBatchChange`, :class:`ActionUnavailable`),
+and for embedding
 the endpoint elsewhere :func:`create_app` / :class:`AppDeps` /
 :func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`; :func:`ignore_stop_signals`
 for DataLoader workers started with spawn/forkserver.
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # at run time each name is imported on first use: the CLI nee
     from .config import ControlConfig, load_token
     from .lr import scale_learning_rates
     from .metrics import record_checkpoint, record_checkpoint_failure
+    from .recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
     from .server import ControlPortInUse, ControlServer, serve_control
     from .state import ActionQueue, RunSnapshot
     from .stops import ignore_stop_signals
@@ -51,6 +55,10 @@ _WHERE = {
     "scale_learning_rates": ".lr",
     "record_checkpoint": ".metrics",
     "record_checkpoint_failure": ".metrics",
+    "ActionUnavailable": ".recovery",
+    "MicroBatchChange": ".recovery",
+    "RollbackDone": ".recovery",
+    "RollbackRequest": ".recovery",
     "ControlPortInUse": ".server",
     "ControlServer": ".server",
     "serve_control": ".server",
@@ -62,6 +70,7 @@ _WHERE = {
 __all__ = [
     "ACTIONS",
     "ActionQueue",
+    "ActionUnavailable",
     "AppDeps",
     "ControlChannel",
     "ControlConfig",
@@ -69,7 +78,10 @@ __all__ = [
     "ControlPortInUse",
     "ControlServer",
     "ControlStartError",
+    "MicroBatchChange",
     "RESULTS",
+    "RollbackDone",
+    "RollbackRequest",
     "RunSnapshot",
     "create_app",
     "ignore_stop_signals",

@@ -460,7 +460,7 @@ class ControlChannel:
         self._set_paused(False)
         if self.rank == 0:
             self.snapshot.update(stop_requested=True)
-        return self._expect(order, step, _trained_on)
+        return self._expect(order, step, _trained_on, next_boundary=True)
 
     def _reduce_lr(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         factor, floors = float(order["params"]["lr_factor"]), order["floors"]
@@ -518,7 +518,7 @@ class ControlChannel:
                 return True
             return f"the loop went on from step {step} instead of the checkpoint's step {done.checkpoint_step}"
 
-        return self._expect(order, step, went_back)
+        return self._expect(order, step, went_back, next_boundary=True)
 
     def _reduce_micro_batch(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         change, outcome = self._ask_loop(handler, "reduce_micro_batch", order["reason"], MicroBatchChange)
@@ -561,12 +561,17 @@ class ControlChannel:
             self.queue.accept_again()
 
     def _expect(
-        self, order: dict[str, Any], step: int, check: Check, undo: Callable[[], None] | None = None
+        self,
+        order: dict[str, Any],
+        step: int,
+        check: Check,
+        undo: Callable[[], None] | None = None,
+        next_boundary: bool = False,
     ) -> tuple[int, str]:
-        """Settle at once if the effect is already known, else keep the check for later boundaries."""
+        """Settle at once if the effect is already known, else keep the check for later boundaries
+        (`next_boundary`: the effect can only be seen there, e.g. the loop having left or gone back)."""
         awaited = self._checks[order["id"]] = _Awaited(order["action"], step, check, undo)
-        # A stop, and a rollback's return to its checkpoint, are seen at the next boundary.
-        verdict = None if order["action"] in ("stop", "rollback") else check()
+        verdict = None if next_boundary else check()
         return (_AWAITING, "") if verdict is None else awaited.code(verdict)
 
     def _verify(self, order_id: str) -> tuple[int, str]:
