@@ -14,6 +14,7 @@ import pytest
 from matplotlib import colors as mcolors
 from PIL import Image, ImageStat
 
+from exporter.control.catalog import CATALOG
 from exporter.report import plots
 from exporter.report.analysis import straggler
 from exporter.report.attention import AttentionSnapshot
@@ -153,6 +154,25 @@ def test_the_training_figure_shows_losses_accuracy_learning_rates_and_the_action
     assert "reduce_lr" in _texts(figure)
     assert lr.get_xlim() == (0.0, AXIS.span)
     _not_blank(figure)
+
+
+def test_every_catalog_action_has_a_colour_of_its_own() -> None:
+    actions = [spec.name for spec in CATALOG]
+    assert set(plots.ACTION_COLORS) >= set(actions), set(actions) - set(plots.ACTION_COLORS)
+    # pause and resume bracket one span and may share one; every other action is told apart by its colour
+    distinct = {plots.ACTION_COLORS[a] for a in actions if a != "resume"}
+    assert len(distinct) == len(actions) - 1
+
+
+def test_a_rollback_is_a_labelled_line_on_the_loss_panel_where_the_curve_jumps_back() -> None:
+    rollback = ActionEvent("rollback", "alert", "applied", T0 + 300.0, step=180, reason="back to step 150")
+    incidents = Incidents([], [rollback], [], [])
+    figure = plots.training_figure(_training(), AXIS, plots.marks_from(incidents, STEP))
+    loss = figure.axes[0]
+    dashed = [line for line in loss.get_lines() if line.get_linestyle() == "--"]
+    assert [float(line.get_xdata()[0]) for line in dashed] == [300.0]
+    assert mcolors.to_hex(dashed[0].get_color()) == plots.ACTION_COLORS["rollback"]
+    assert "rollback" in [t.get_text() for t in loss.texts]
 
 
 def test_a_learning_rate_cut_by_100x_is_drawn_on_a_log_scale() -> None:

@@ -71,7 +71,11 @@ ACTION_COLORS = {
     "stop": "#222222",
     "pause": "#8d99ae",
     "resume": "#8d99ae",
+    "rollback": "#e76f51",
+    "reduce_micro_batch": "#bc6c25",
 }
+#: Actions named on the loss panel too: a rollback is where the curve jumps back to an earlier state.
+LOSS_PANEL_LABELS = frozenset({"rollback"})
 FIRING = "#d62828"
 PENDING = "#f4a261"
 _STYLE = {
@@ -264,7 +268,8 @@ def marks_from(incidents: Incidents | None, interval: float = 0.0) -> list[Mark]
     return marks
 
 
-def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: bool = False) -> None:
+def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: bool | frozenset[str] = False) -> None:
+    """Alerts as bars along the top, actions as dashed lines; `labels`: name every action line, or those in the set."""
     for mark in marks:
         if mark.kind == "alert":
             # A bar along the top edge, not a full-height shade: several alerts must not hide the lines.
@@ -272,7 +277,7 @@ def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: boo
                          alpha=0.75, lw=0)  # fmt: skip
         else:
             axis.axvline(axis_x.x(mark.t), color=mark.color, lw=1.0, ls="--", alpha=0.85)
-            if labels:
+            if labels is True or (labels and mark.label in labels):
                 axis.annotate(mark.label, (axis_x.x(mark.t), 1.0), xycoords=("data", "axes fraction"),
                               xytext=(3, -3), textcoords="offset points", va="top", fontsize=7.5,
                               color=mark.color, rotation=90)  # fmt: skip
@@ -336,7 +341,7 @@ def _plot_loss(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequ
     axis.set_title("Loss", loc="left")
     axis.set_ylabel("loss")
     axis.legend(loc="upper right")
-    _draw_marks(axis, axis_x, marks)
+    _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
 
 
 def _plot_learning_rate(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
@@ -743,7 +748,7 @@ def loss_rate_figure(x: np.ndarray, slope: np.ndarray, axis_x: TimeAxis, unit: s
     axis.set_ylabel(f"d loss / d {unit}")
     axis.set_title(f"Loss rate of change (least-squares slope over the last {window})", loc="left")
     axis.legend(loc="upper right")
-    _draw_marks(axis, axis_x, marks)
+    _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
     axis_x.apply(axis)
     return figure
 
