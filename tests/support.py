@@ -8,8 +8,10 @@ benchmarks use too; this module re-exports them for the tests and adds what only
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -254,3 +256,13 @@ def replay_rollback(
     expected = {step: before[step] for step in range(start + 1, restored + 1)}
     expected.update({step: after[step] for step in range(restored + 1, end + 1)})
     assert replay.losses() == expected
+
+
+def load_rule_generator() -> Any:
+    """prometheus/generate_rules.py as a module (prometheus/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("generate_rules", REPO / "prometheus" / "generate_rules.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

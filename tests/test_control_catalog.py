@@ -7,9 +7,7 @@ against the catalog; the last test shows that a copy that drifts is caught.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import yaml
@@ -20,17 +18,9 @@ from exporter.control.actions import ActionRequest
 from exporter.control.catalog import CATALOG, RESULTS, check_result
 from exporter.control.limits import ActionLimits
 from exporter.control.state import ActionQueue
-from tests.support import REPO
+from tests.support import REPO, load_rule_generator
 
 NAMES = [spec.name for spec in CATALOG]
-
-
-def _generator():
-    spec = importlib.util.spec_from_file_location("generate_rules", REPO / "prometheus" / "generate_rules.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def route_problems(alertmanager: dict) -> list[str]:
@@ -86,7 +76,7 @@ def test_the_alertmanager_route_to_the_trainer_matches_every_action():
 
 
 def test_every_shipped_alert_carries_only_an_action_the_catalog_lets_it_carry():
-    generator = _generator()
+    generator = load_rule_generator()
     allowed: dict[str, set[str]] = {}
     for spec in CATALOG:
         for alert in spec.alerts:

@@ -7,7 +7,6 @@ scripts/bootstrap.sh); a missing binary is a failure, not a skip.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import re
@@ -22,7 +21,7 @@ import pytest
 import yaml
 
 from exporter.contract import IDENTITY_LABELS, METRICS, MetricKind
-from tests.support import fetch, stop_process, tail, torchrun, wait_for
+from tests.support import fetch, load_rule_generator, stop_process, tail, torchrun, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PROM = REPO / "prometheus"
@@ -32,17 +31,7 @@ UNIT_TEST_FILES = sorted((PROM / "tests").glob("*_test.yml"))
 RUNBOOK = REPO / "docs" / "runbook.md"
 
 
-def _load_generator():
-    # prometheus/ is not a package: load the script as a module.
-    spec = importlib.util.spec_from_file_location("generate_rules", PROM / "generate_rules.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_rule_generator()
 
 
 def promtool(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

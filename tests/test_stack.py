@@ -36,7 +36,19 @@ def _launch(args: list[str], tmp_path: Path, env: dict | None = None) -> subproc
     config = tmp_path / "config.yaml"
     config.write_text("run: {max_steps: 1}\n")
     return subprocess.run(
-        [sys.executable, "-m", "trainer.stack", "--run-dir", str(tmp_path / "stack"), "--config", str(config), *args],
+        # A 1-step run reaches no scenario's fault: "none" unless the test names one.
+        [
+            sys.executable,
+            "-m",
+            "trainer.stack",
+            "--run-dir",
+            str(tmp_path / "stack"),
+            "--config",
+            str(config),
+            "--scenario",
+            "none",
+            *args,
+        ],  # fmt: skip
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -133,6 +145,15 @@ def test_bad_options_are_rejected_with_the_option_named(tmp_path):
     assert result.returncode == 2 and "--nproc must be >= 1, got 0" in result.stderr
     result = _launch(["--config", str(tmp_path / "missing.yaml")], tmp_path)
     assert result.returncode == 2 and "missing.yaml is not a file" in result.stderr
+
+
+def test_a_run_that_ends_before_the_scenarios_fault_is_refused_naming_both_steps(tmp_path):
+    result = _launch(["--scenario", "divergence", "--steps", "420"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--steps 420 ends before the divergence scenario's fault at step 1200" in result.stderr
+    result = _launch(["--scenario", "nonfinite"], tmp_path)  # the config's 1 step
+    assert result.returncode == 2, result.stderr
+    assert "the config's run.max_steps 1 ends before the nonfinite scenario's fault at step 300" in result.stderr
 
 
 def _rank_targets(prometheus_port: int) -> list[dict]:

@@ -29,6 +29,12 @@ class Scenario:
     expect: str
     """One line for the banner."""
 
+    @property
+    def fault_step(self) -> int | None:
+        """The step its fault starts at (None: no fault)."""
+        steps = [int(value) for key, value in (s.split("=", 1) for s in self.settings) if key.endswith(".at_step")]
+        return min(steps) if steps else None
+
 
 SCENARIOS: dict[str, Scenario] = {
     "none": Scenario((), "no fault: a healthy run (no alert should fire)"),
@@ -37,10 +43,15 @@ SCENARIOS: dict[str, Scenario] = {
         "from step 300, 5 NaN losses on rank 0: RankscopeNonFiniteSteps fires and the trainer reduces the LR "
         "(within seconds); every rank skips those updates",
     ),
+    # Later than the others: the alert compares the 2m-smoothed loss with its minimum, and a minimum taken
+    # while the first, untrained steps fill the window is too high. Measured on the demo config, 3000 steps
+    # at 90 ms (the fastest here): at step 300, 9x took the loss from 0.5 to 2.5-3.2 for 1400 steps and
+    # stayed under twice the minimum (1.14); at step 1200 it took it from 0.09 to 2.5, the minimum was
+    # 0.30, and the rule replayed on the log fired at step 2582.
     "divergence": Scenario(
-        ("faults.diverge.at_step=300", "faults.diverge.lr_factor=9"),
-        "from step 300 the learning rate is 9x too high: RankscopeLossDiverging fires after its 2m `for` "
-        "and the trainer halves the LR; the loss comes back down",
+        ("faults.diverge.at_step=1200", "faults.diverge.lr_factor=9"),
+        "from step 1200 the learning rate is 9x too high: the loss climbs at once, RankscopeLossDiverging "
+        "fires some 2-3 minutes later (2m smoothing, then its 2m `for`) and the trainer halves the LR",
     ),
     "straggler": Scenario(
         ("faults.straggler.at_step=300", "faults.straggler.rank=1", "faults.straggler.seconds=0.2"),

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from .config import ConfigError, load_config
 from .narrator import SCENARIOS, Narrator
 from .processes import Child, Children, StackError
 from .servers import find_binaries, free_port_block, port_is_free, start_alertmanager, start_prometheus
@@ -198,6 +199,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if not args.config.is_file():
         parser.error(f"--config {args.config} is not a file")
+    fault_step = SCENARIOS[args.scenario].fault_step
+    if fault_step is not None:
+        if args.steps is not None:
+            steps, said = args.steps, f"--steps {args.steps}"
+        else:
+            try:
+                steps = load_config(args.config, args.overrides).run.max_steps
+            except ConfigError as exc:
+                parser.error(str(exc))
+            said = f"the config's run.max_steps {steps}"
+        if steps <= fault_step:
+            parser.error(f"{said} ends before the {args.scenario} scenario's fault at step {fault_step}: give "
+                         "more steps (make demo DEMO_STEPS=...) or --scenario none")  # fmt: skip
     return args
 
 
