@@ -35,20 +35,10 @@ def _launch(args: list[str], tmp_path: Path, env: dict | None = None) -> subproc
     """Run the launcher to an early exit (its checks fail before anything starts)."""
     config = tmp_path / "config.yaml"
     config.write_text("run: {max_steps: 1}\n")
+    # A 1-step run reaches no scenario's fault: "none" unless the test names one.
+    launcher_args = ["--run-dir", str(tmp_path / "stack"), "--config", str(config), "--scenario", "none"]
     return subprocess.run(
-        # A 1-step run reaches no scenario's fault: "none" unless the test names one.
-        [
-            sys.executable,
-            "-m",
-            "trainer.stack",
-            "--run-dir",
-            str(tmp_path / "stack"),
-            "--config",
-            str(config),
-            "--scenario",
-            "none",
-            *args,
-        ],  # fmt: skip
+        [sys.executable, "-m", "trainer.stack", *launcher_args, *args],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -47,7 +47,7 @@ SCENARIOS: dict[str, Scenario] = {
     # while the first, untrained steps fill the window is too high. Measured on the demo config, 3000 steps
     # at 90 ms (the fastest here): at step 300, 9x took the loss from 0.5 to 2.5-3.2 for 1400 steps and
     # stayed under twice the minimum (1.14); at step 1200 it took it from 0.09 to 2.5, the minimum was
-    # 0.30, and the rule replayed on the log fired at step 2582.
+    # 0.30, and the rule replayed on the log fired at step 2582 (the whole demo: applied at step 2568).
     "divergence": Scenario(
         ("faults.diverge.at_step=1200", "faults.diverge.lr_factor=9"),
         "from step 1200 the learning rate is 9x too high: the loss climbs at once, RankscopeLossDiverging "
