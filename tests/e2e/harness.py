@@ -23,13 +23,14 @@ pages, the control endpoint's status and the trainer's log tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -303,6 +304,18 @@ class Stack:
         """Ask the trainer to stop (it checkpoints; all ranks leave together); its exit status."""
         self.post_action("stop", reason)
         return self.job.wait_exit(timeout=120)
+
+    @contextlib.contextmanager
+    def paused(self, reason: str) -> Iterator[int]:
+        """Hold the run paused (every rank at one boundary) for the block; yields the step it paused at. A
+        test that must finish something before a fault's step gets there whatever the machine's speed."""
+        self.post_action("pause", reason)
+        (pause,) = self.wait(lambda: self.settled("pause")[-1:], "the pause", timeout=30)
+        try:
+            yield pause["step"]
+        finally:
+            self.post_action("resume", reason)
+            self.wait(lambda: self.settled("resume"), "the resume", timeout=30)
 
     def settled(self, action: str | None = None, status: str | None = "applied") -> list[dict[str, Any]]:
         """Settled control actions (of one action and outcome, if given), oldest first."""
