@@ -8,8 +8,9 @@ import subprocess
 from tests.support import REPO
 
 #: Stopping processes by name would stop a user's own Prometheus too; we stop only what we started, by PID.
-#: Looking a process up by name (pgrep, pidof, psutil.process_iter) is the first half of the same mistake.
-_BY_NAME = re.compile(r"\b(pkill|killall|pgrep|pidof|process_iter)\b")
+#: Looking a process up by name (pgrep, pidof, psutil.process_iter, `ps ... | grep`) is the first half of the
+#: same mistake, and so is killing whoever holds a port (`lsof -t`, `fuser -k`): that may be the user's server.
+_BY_NAME = re.compile(r"\b(pkill|killall|pgrep|pidof|process_iter)\b|\bps\b[^|\n]*\|\s*grep|lsof\s+-t|fuser\s+-k")
 
 
 def _tracked_text_files() -> list[str]:

@@ -309,13 +309,14 @@ class Stack:
     def paused(self, reason: str) -> Iterator[int]:
         """Hold the run paused (every rank at one boundary) for the block; yields the step it paused at. A
         test that must finish something before a fault's step gets there whatever the machine's speed."""
+        pauses, resumes = len(self.settled("pause")), len(self.settled("resume"))  # this pause, not an earlier one
         self.post_action("pause", reason)
-        (pause,) = self.wait(lambda: self.settled("pause")[-1:], "the pause", timeout=30)
+        (pause,) = self.wait(lambda: self.settled("pause")[pauses:], "the pause", timeout=30)
         try:
             yield pause["step"]
         finally:
             self.post_action("resume", reason)
-            self.wait(lambda: self.settled("resume"), "the resume", timeout=30)
+            self.wait(lambda: self.settled("resume")[resumes:], "the resume", timeout=30)
 
     def settled(self, action: str | None = None, status: str | None = "applied") -> list[dict[str, Any]]:
         """Settled control actions (of one action and outcome, if given), oldest first."""

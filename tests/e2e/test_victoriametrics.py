@@ -55,17 +55,15 @@ def test_a_diverging_loss_is_acted_on_by_both_ranks_through_victoriametrics_and_
     # Held just before the fault, the model trained, until both ranks' series are in VictoriaMetrics (through
     # vmagent, under the ranks' own identity labels) and the recorded loss the alert reads has caught up.
     st.wait_for_step(DIVERGE_AT - PAUSE_BEFORE)
-    st.post_action("pause", "wait for the recorded series")
-    st.wait(lambda: st.settled("pause"), "the pause", timeout=30)
-    assert st.status()["step"] < DIVERGE_AT - 1, "the run reached the fault before it paused"
-    sel = f'run_id="{st.run_id}"'
-    st.wait(lambda: len(st.query(f"rankscope_global_step{{{sel}}} > 0")) == 2, "both ranks stored", 60)
-    caught_up = (
-        f"run:rankscope_loss:window_min{{{sel}}} and on (run_id) abs(run:rankscope_loss:smoothed{{{sel}}}"
-        f' - on (run_id) avg by (run_id) (rankscope_loss{{{sel}, split="train"}})) < 0.05'
-    )
-    st.wait(lambda: st.query(caught_up), "the recorded loss and its minimum to catch up", 120)
-    st.post_action("resume", "the recorded series are searchable")
+    with st.paused("wait for the recorded series") as step:
+        assert step < DIVERGE_AT - 1, "the run reached the fault before it paused"
+        sel = f'run_id="{st.run_id}"'
+        st.wait(lambda: len(st.query(f"rankscope_global_step{{{sel}}} > 0")) == 2, "both ranks stored", 60)
+        caught_up = (
+            f"run:rankscope_loss:window_min{{{sel}}} and on (run_id) abs(run:rankscope_loss:smoothed{{{sel}}}"
+            f' - on (run_id) avg by (run_id) (rankscope_loss{{{sel}, split="train"}})) < 0.05'
+        )
+        st.wait(lambda: st.query(caught_up), "the recorded loss and its minimum to catch up", 120)
     st.wait_for_firing("RankscopeLossDiverging", timeout=180)
     (applied,) = st.wait(lambda: st.settled("reduce_lr"), "reduce_lr to be applied", timeout=30)
     assert (applied["source"], applied["reason"]) == ("alert", "alert:RankscopeLossDiverging"), applied
