@@ -38,5 +38,5 @@ EXPOSE 9300 9400 9401
 # Two ranks of the demo config; CMD adds flags (metrics reachable from outside
 # the container; the control endpoint stays on the container's loopback unless
 # a token is configured, see docker-compose.yml).
-ENTRYPOINT ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "trainer", "--config", "trainer/configs/demo.yaml"]
+ENTRYPOINT ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "rankscope_trainer", "--config", "trainer/rankscope_trainer/configs/demo.yaml"]
 CMD ["--set", "metrics.host=0.0.0.0"]

@@ -3,14 +3,14 @@
 
 # Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores: ~5 minutes).
 DEMO_STEPS ?= 3000
-# The fault injected partway through (none, nonfinite, divergence, straggler; see trainer/narrator.py).
+# The fault injected partway through (none, nonfinite, divergence, straggler; see devstack/narrator.py).
 SCENARIO ?= nonfinite
 
 bootstrap:
 	@scripts/bootstrap.sh
 
 demo: bootstrap
-	.venv/bin/python -m trainer.stack --steps $(DEMO_STEPS) --scenario $(SCENARIO)
+	.venv/bin/python -m devstack.stack --steps $(DEMO_STEPS) --scenario $(SCENARIO)
 
 # The run report of the demo (while `make demo` runs; on exit the demo writes .stack/report.html itself).
 # The demo writes its Prometheus's address (a free port if 9090 was taken) to .stack/prometheus-url.
@@ -26,4 +26,4 @@ lint: bootstrap
 	.venv/bin/ruff format --check .
 
 dashboards: bootstrap
-	.venv/bin/python -m grafana.generate
+	.venv/bin/python -m rankscope.mixin.dashboards.generate

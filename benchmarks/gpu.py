@@ -72,10 +72,9 @@ class Trained:
     """One copy of the model, its optimizer and (for the monitored copy) the monitor, one step at a time."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, monitored: bool) -> None:
+        from rankscope import Monitor, MonitorConfig, RankIdentity
         from torch.nn.parallel import DistributedDataParallel
         from transformers import GPT2Config, GPT2LMHeadModel
-
-        from exporter import Monitor, MonitorConfig, RankIdentity
 
         torch.manual_seed(0)  # both copies start from the same weights
         self.model = DistributedDataParallel(GPT2LMHeadModel(GPT2Config()).to(device), device_ids=[device.index])

@@ -5,7 +5,7 @@
     .venv/bin/python -m benchmarks.latency --modes 1s --trials 6
 
 The path measured is the shipped one: the reference trainer (2 ranks under
-torchrun, trainer/configs/demo.yaml, control endpoint on) -> Prometheus
+torchrun, trainer/rankscope_trainer/configs/demo.yaml, control endpoint on) -> Prometheus
 scraping both ranks with the shipped rules -> `RankscopeNonFiniteSteps` (the
 alert with `for: 0s` and `action: reduce_lr`) -> Alertmanager with the shipped
 routes (the trainer route has `group_wait: 0s`) -> the webhook on rank 0 ->
@@ -48,10 +48,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from trainer.jobs import TrainerJob
-from trainer.stack import REPO
+from devstack.jobs import TrainerJob
+from devstack.localstack import MonitoringStack, free_port, local_ports, seconds, shipped_interval, unix_time
+from devstack.stack import REPO
 
-from .localstack import MonitoringStack, free_port, local_ports, seconds, shipped_interval, unix_time
 from .timing import machine_line
 
 __all__ = ["main"]
@@ -125,7 +125,7 @@ class Trial:
                 f"faults.nonfinite.steps={FAULT_STEPS}",
                 "faults.nonfinite.rank=0",
             ],
-            config=str(REPO / "trainer" / "configs" / "demo.yaml"),
+            config=str(REPO / "trainer" / "rankscope_trainer" / "configs" / "demo.yaml"),
             nproc=NPROC,
         )
         # Started while the trainer starts up (it needs neither).

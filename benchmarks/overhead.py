@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.overhead --quick    # 3 trials, 1-3 min
     .venv/bin/python -m benchmarks.overhead --variants none "rankscope default"
 
-The reference model (trainer/configs/demo.yaml: ViT + BERT dual encoder, batch
+The reference model (trainer/rankscope_trainer/configs/demo.yaml: ViT + BERT dual encoder, batch
 32) on CPU, in one process: every variant has its own copy of the model with
 the same initial weights and trains on the same batches (see
 benchmarks/workload.py for what each variant does). The variants run side by

@@ -6,7 +6,7 @@
     .venv/bin/python -m benchmarks.scale --engine victoriametrics --ranks 4096
 
 First one real rank's page is captured: the exporter, set up as
-trainer/configs/demo.yaml sets it up, after training the reference model for
+trainer/rankscope_trainer/configs/demo.yaml sets it up, after training the reference model for
 a while (module norms, multimodal statistics and all), fetched from its
 /metrics endpoint as Prometheus would. Then, for each rank count, one
 `benchmarks.fakeranks` process serves that page as N ranks of one run (8 per
@@ -20,7 +20,7 @@ recording and alert rules, every 5 s:
   group's evaluation time (`prometheus_rule_group_last_duration_seconds`,
   median and max over the window) and missed evaluations.
 - ``victoriametrics``: vmagent -> victoria-metrics <- vmalert with the same
-  scrape jobs and rule files (trainer/vmstack.py). Memory and CPU of the
+  scrape jobs and rule files (devstack/vmstack.py). Memory and CPU of the
   three processes; rule time from vmalert's `vmalert_iteration_duration_seconds`
   (median and max since start) and `vmalert_iteration_missed_total`.
 
@@ -53,11 +53,11 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer.processes import Child, Children
-from trainer.vmstack import VictoriaPorts, VictoriaStack
+from devstack.localstack import REPO, MonitoringStack, free_port, local_ports, prometheus_config, shipped_interval
+from devstack.processes import Child, Children
+from devstack.vmstack import VictoriaPorts, VictoriaStack
 
 from .fakeranks import pages_needed
-from .localstack import REPO, MonitoringStack, free_port, local_ports, prometheus_config, shipped_interval
 from .scrape import page_stats
 from .timing import machine_line
 

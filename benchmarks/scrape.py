@@ -6,7 +6,7 @@
 Part 1, the page: a monitor that has trained the reference model for one
 trial (so every series it will ever have exists). For each configuration the
 page is rendered `--renders` times by prometheus_client's `generate_latest`
-(before) and by `exporter.exposition.PageRenderer` without its cache (after),
+(before) and by `rankscope.serving.exposition.PageRenderer` without its cache (after),
 interleaved call by call on the same registry, resource probes included. It
 prints wall median and p99 of each, their ratio, the median CPU time of the
 rendering thread (which other processes disturb less), a whole HTTP GET of
@@ -45,12 +45,12 @@ from urllib.parse import urlsplit
 
 import torch
 from prometheus_client import generate_latest, start_http_server
+from rankscope import MonitorConfig
+from rankscope.serving.exposition import PageRenderer
+from rankscope.serving.metrics_endpoint import serve_metrics
 
-from exporter import MonitorConfig
-from exporter.exposition import PageRenderer
-from exporter.server import serve_metrics
+from devstack.localstack import seconds, shipped_interval
 
-from .localstack import seconds, shipped_interval
 from .timing import interleaved_blocks, machine_line, percentile, ratio_line
 from .workload import Variant, Workload, ensure_process_group, variants
 
@@ -105,7 +105,7 @@ def _http_get(url: str) -> bytes:
 
 def measure_pages(work: Workload, renders: int) -> None:
     print(f"\n1. one rank's /metrics page ({renders} renders of each, interleaved, after one trial of training)")
-    print("   before: prometheus_client.generate_latest; after: exporter.exposition.PageRenderer (no cache),")
+    print("   before: prometheus_client.generate_latest; after: rankscope.serving.exposition.PageRenderer (no cache),")
     print("   both on the monitor's registry, resource probes included; GET: the served page (cached 1 s)")
     print(f"{'configuration':<20} {'before median/p99':>19} {'after median/p99':>18} {'ratio':>6} "
           f"{'CPU before/after':>17} {'GET median/p99':>17} {'bytes':>13} {'series':>9}")  # fmt: skip
@@ -188,7 +188,7 @@ class LoadGenerator:
 
 #: Part 2's scraped conditions: which server answers the load generator.
 SERVERS = {
-    "after": "the monitor's own server: exporter.httpd + PageRenderer, page cached 1 s (the default)",
+    "after": "the monitor's own server: rankscope.serving.http_server + PageRenderer, page cached 1 s (the default)",
     "after, no cache": "the same server and renderer with page_cache_seconds=0: every scrape renders",
     "before": "prometheus_client.start_http_server on the same registry: what shipped before",
 }

@@ -1,12 +1,12 @@
 """The reference trainer's step, with each way of monitoring it, for the overhead and scrape benchmarks.
 
-    work = Workload.build(steps=50)                # trainer/configs/demo.yaml's model, seed and data
+    work = Workload.build(steps=50)                # trainer/rankscope_trainer/configs/demo.yaml's model, seed and data
     variant = VARIANTS["rankscope default"]
     run = variant.prepare(work)                    # fresh model (same initial weights), optimizer, monitor
     seconds = run.train()                          # wall time of `steps` steps on the same batches
 
-Everything comes from the trainer's public pieces (`trainer.config`, `trainer.data`,
-`trainer.model`, `trainer.stats`), so the step here is the trainer's `train_step`
+Everything comes from the trainer's public pieces (`rankscope_trainer.config`, `rankscope_trainer.data`,
+`rankscope_trainer.model`, `rankscope_trainer.stats`), so the step here is the trainer's `train_step`
 minus its own logging and control loop. Batches are rendered once up front and
 replayed, so every variant trains on exactly the same data and no DataLoader
 worker competes for the CPU. The model is wrapped in DistributedDataParallel on
@@ -19,9 +19,9 @@ The variants:
 - ``none again``: the same as ``none``, a second copy: its ratio to ``none``
   shows how finely the benchmark can tell two variants apart (an A/A test).
 - ``rankscope default``: the exporter at `MonitorConfig()` defaults, used as the
-  module docstring of `exporter.monitor` shows (comm hook, data wait, step time,
+  module docstring of `rankscope.monitor` shows (comm hook, data wait, step time,
   loss and grad norm, learning rates, module norms every 50 steps).
-- ``rankscope trainer``: what `trainer/configs/demo.yaml` runs: the default plus the
+- ``rankscope trainer``: what `trainer/rankscope_trainer/configs/demo.yaml` runs: the default plus the
   trainer's own accuracy every step, multimodal data and model statistics every
   10 steps (`run.stats_every`), module norms every 10 and the non-finite guard.
 - ``exporter all on``: the exporter's own optional work at every step: module
@@ -54,21 +54,20 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope_trainer.config import TrainConfig, load_config
+from rankscope_trainer.data import Batch, build_data
+from rankscope_trainer.loop import warmup_cosine
+from rankscope_trainer.metrics import TRAINER_METRICS
+from rankscope_trainer.model import DualEncoder, build_model, contrastive_accuracy, contrastive_loss
+from rankscope_trainer.stats import record_accuracy, record_batch_stats, record_model_stats
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
-
-from exporter import Monitor, MonitorConfig, RankIdentity
-from trainer.config import TrainConfig, load_config
-from trainer.data import Batch, build_data
-from trainer.loop import warmup_cosine
-from trainer.metrics import TRAINER_METRICS
-from trainer.model import DualEncoder, build_model, contrastive_accuracy, contrastive_loss
-from trainer.stats import record_accuracy, record_batch_stats, record_model_stats
 
 __all__ = ["VARIANTS", "Run", "Variant", "Workload", "ensure_process_group", "variants"]
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_CONFIG = REPO / "trainer" / "configs" / "demo.yaml"
+DEMO_CONFIG = REPO / "trainer" / "rankscope_trainer" / "configs" / "demo.yaml"
 
 
 def ensure_process_group() -> None:
@@ -266,7 +265,7 @@ class Variant:
 
     def writer(self) -> Any:
         if self._writer is None:
-            from exporter._lazy import require
+            from rankscope._lazy import require
 
             require("bench", "tensorboard")  # the hand-written variant logs as tutorials do: one line if missing
             from torch.utils.tensorboard import SummaryWriter

@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rankscope import Monitor, MonitorConfig
+from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel
-
-from exporter import Monitor, MonitorConfig
-from exporter.control import ControlChannel, ControlConfig, record_checkpoint
 
 BLOCK, VOCAB = 32, 128
 LEARNING_RATE, MIN_LR, WARMUP, DECAY = 6e-4, 6e-5, 20, 2000

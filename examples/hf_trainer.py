@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rankscope import MonitorConfig
+from rankscope.control import ControlConfig
+from rankscope.integrations.hf.callback import RankscopeCallback
 from torch.utils.data import Dataset
 from transformers import BertConfig, BertForSequenceClassification, PrinterCallback, Trainer, TrainingArguments
-
-from exporter import MonitorConfig
-from exporter.control import ControlConfig
-from exporter.hf import RankscopeCallback
 
 VOCAB_SIZE = 64
 MAX_LENGTH = 32

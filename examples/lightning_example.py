@@ -27,12 +27,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from rankscope import MonitorConfig
+from rankscope.control import ControlConfig
+from rankscope.integrations.lightning.callback import RankscopeCallback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from exporter import MonitorConfig
-from exporter.control import ControlConfig
-from exporter.lightning import RankscopeCallback
 
 FEATURES = 16
 

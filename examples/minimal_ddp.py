@@ -10,11 +10,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from rankscope import Monitor, MonitorConfig
+from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from exporter import Monitor, MonitorConfig
-from exporter.control import ControlChannel, ControlConfig, record_checkpoint
 
 
 class Handler:

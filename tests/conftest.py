@@ -28,7 +28,7 @@ def free_port_block() -> Callable[[int], int]:
     return support.free_port_block
 
 
-# --- control endpoint (exporter.control) ----------------------------------------------------
+# --- control endpoint (rankscope.control) ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +97,9 @@ def wsgi_call():
 @pytest.fixture(scope="module")
 def trainer_job(tmp_path_factory):
     """Call with (name, settings=[--set overrides], resume=, max_restarts=, checkpoint_dir=, config=) to start
-    `torchrun -m trainer` on 2 ranks, by default with trainer/configs/test.yaml (a
+    `torchrun -m rankscope_trainer` on 2 ranks, by default with trainer/rankscope_trainer/configs/test.yaml (a
     tests.jobs.trainer_job.TrainerJob); every job started is ended at the module's teardown."""
-    from trainer.jobs import TrainerJob
+    from devstack.jobs import TrainerJob
 
     jobs = []
 

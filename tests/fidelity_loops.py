@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rankscope import Monitor, MonitorConfig, RankIdentity
 from torch import nn
-
-from exporter import Monitor, MonitorConfig, RankIdentity
 
 MAX_NORM = 0.05
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from exporter.report.series import Series
+from rankscope.report.series import Series
 
 
 def compute_per_rank(

@@ -1,17 +1,15 @@
 """Helpers shared by tests that start real processes (torchrun, servers).
 
-Launching jobs and servers is not test code: it lives in `trainer.jobs` (torchrun, the trainer job,
-reading pages) and `trainer.servers` (Prometheus, Alertmanager, ports), which the demo and the
+Launching jobs and servers is not test code: it lives in `devstack.jobs` (torchrun, the trainer job,
+reading pages) and `devstack.binaries` (Prometheus, Alertmanager, ports), which the demo and the
 benchmarks use too; this module re-exports them for the tests and adds what only tests need.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from trainer.jobs import REPO, fetch, sample_value, samples, stop_process, tail, torchrun, wait_for
-from trainer.processes import Children, StackError
-from trainer.servers import (
+from devstack.binaries import (
     Server,
     find_binary,
     free_port,
@@ -31,6 +27,8 @@ from trainer.servers import (
     start_prometheus,
     unix_time,
 )
+from devstack.jobs import REPO, fetch, sample_value, samples, stop_process, tail, torchrun, wait_for
+from devstack.processes import Children, StackError
 
 __all__ = [
     "REPO",
@@ -67,8 +65,8 @@ def promtool_problems(page: str) -> str:
 def _contract_series() -> dict[str, object]:
     """Sample name -> spec of the contract or of the reference trainer's own metrics (it declares them
     beside the contract), including the `_created` series prometheus_client adds to counters and histograms."""
-    from exporter import METRICS, MetricKind
-    from trainer.metrics import TRAINER_METRICS
+    from rankscope import METRICS, MetricKind
+    from rankscope_trainer.metrics import TRAINER_METRICS
 
     specs = [*METRICS.values(), *TRAINER_METRICS]
     names = {name: spec for spec in specs for name in spec.series_names}
@@ -79,7 +77,7 @@ def _contract_series() -> dict[str, object]:
 
 
 def contract_violations(page: str) -> list[str]:
-    """Every rankscope series of a /metrics page whose name or labels differ from exporter.contract."""
+    """Every rankscope series of a /metrics page whose name or labels differ from rankscope.contract."""
     by_series = _contract_series()
     problems = []
     for name, labels in samples(page):
@@ -104,7 +102,7 @@ def contract_families(page: str) -> set[str]:
 
 # --- real Prometheus / Alertmanager servers and a webhook sink ------------------------------------
 # One launcher for every test that needs the servers, built on the stack launcher's own process
-# handling (trainer.processes): each server in its own session, waited for on /-/ready, stopped with
+# handling (devstack.processes): each server in its own session, waited for on /-/ready, stopped with
 # its process group.
 
 
@@ -209,9 +207,8 @@ def hold_paused(
 def trainer_monitor() -> Any:
     """A rank-0 Monitor with the reference trainer's own metrics, its own registry, no server and no probes."""
     from prometheus_client import CollectorRegistry
-
-    from exporter import Monitor, MonitorConfig, RankIdentity
-    from trainer.metrics import TRAINER_METRICS
+    from rankscope import Monitor, MonitorConfig, RankIdentity
+    from rankscope_trainer.metrics import TRAINER_METRICS
 
     identity = RankIdentity("test", 0, 0, 1, "host")
     config = MonitorConfig(base_port=0, probes=())
@@ -237,7 +234,7 @@ def replay_rollback(
     the skip record (skips-<lineage>.json) makes the resumed run skip the same window from the same state."""
     import shutil
 
-    from trainer.checkpoint import checkpoint_files
+    from rankscope_trainer.checkpoint import checkpoint_files
 
     records = job.records()
     rollback = [r for r in records if r["type"] == "rollback"][-1]
@@ -259,10 +256,7 @@ def replay_rollback(
 
 
 def load_rule_generator() -> Any:
-    """prometheus/generate_rules.py as a module (prometheus/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("generate_rules", REPO / "prometheus" / "generate_rules.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    """The rule generator module (rankscope.mixin.rules)."""
+    from rankscope.mixin import rules
+
+    return rules

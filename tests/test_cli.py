@@ -11,10 +11,10 @@ import threading
 
 import pytest
 import torch
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope.cli import main
+from rankscope.control import ControlChannel, ControlConfig
 
-from exporter import Monitor, MonitorConfig, RankIdentity
-from exporter.cli import main
-from exporter.control import ControlChannel, ControlConfig
 from tests.support import REPO, wait_for
 
 TOKEN = "cli-token"
@@ -147,7 +147,7 @@ def test_a_url_that_is_not_http_is_a_one_line_error(capsys):
 
 def test_it_runs_as_python_dash_m(endpoint):
     result = subprocess.run(
-        [sys.executable, "-m", "exporter.cli", "health"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rankscope.cli", "health"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(": ok")

@@ -1,4 +1,4 @@
-from exporter.comm import CommTimer, interval_union
+from rankscope.comm import CommTimer, interval_union
 
 
 def test_overlapping_bucket_reductions_count_once():

@@ -1,6 +1,5 @@
 import pytest
-
-from exporter import MonitorConfig, config_from_mapping
+from rankscope import MonitorConfig, config_from_mapping
 
 
 def test_defaults_are_valid():

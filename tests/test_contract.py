@@ -2,9 +2,8 @@ import inspect
 import re
 
 import pytest
-
-from exporter import Monitor, MonitorConfig, NullMonitor
-from exporter.contract import IDENTITY_LABELS, METRICS, MetricKind, metric
+from rankscope import Monitor, MonitorConfig, NullMonitor
+from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind, metric
 
 NAME = re.compile(r"^rankscope_[a-z0-9_]+$")
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_watts", "_celsius", "_tokens", "_pixels", "_nats")
@@ -82,7 +81,7 @@ def test_client_names_drop_the_suffix_prometheus_client_adds():
     ],
 )
 def test_a_metric_that_breaks_the_conventions_is_refused_in_one_line(spec, problem):
-    from exporter import MetricSpec
+    from rankscope import MetricSpec
 
     name, kind, text, *extra = spec
     with pytest.raises(ValueError, match=re.escape(problem)) as caught:
@@ -93,7 +92,8 @@ def test_a_metric_that_breaks_the_conventions_is_refused_in_one_line(spec, probl
 def test_a_loops_own_metrics_are_recorded_and_served_like_the_contracts(tmp_path):
     import urllib.request
 
-    from exporter import MetricSpec, Monitor, MonitorConfig, RankIdentity
+    from rankscope import MetricSpec, Monitor, MonitorConfig, RankIdentity
+
     from tests.support import promtool_problems, sample_value, samples
 
     mine = [

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from exporter.control.actions import ACTIONS, ActionRequest, RequestError, parse_action_body
+from rankscope.control.actions import ACTIONS, ActionRequest, RequestError, parse_action_body
 
 
 def test_a_full_request_becomes_an_operator_action():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from exporter.control.actions import RequestError
-from exporter.control.alerts import parse_alert_payload
+from rankscope.control.actions import RequestError
+from rankscope.control.alerts import parse_alert_payload
 
 
 def alert(status="firing", fingerprint="f1", starts_at="2026-01-01T00:00:00Z", annotations=None, **labels):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from exporter.control.app import AppDeps, create_app
-from exporter.control.state import ActionQueue, RunSnapshot
+from rankscope.control.app import AppDeps, create_app
+from rankscope.control.state import ActionQueue, RunSnapshot
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

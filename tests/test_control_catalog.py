@@ -1,4 +1,4 @@
-"""Every copy of the action list is pinned to its one declaration, exporter/control/catalog.py.
+"""Every copy of the action list is pinned to its one declaration, exporter/rankscope/control/catalog.py.
 
 The channel's behaviours, the CLI's commands and options, the OpenAPI document, the limits, the
 Alertmanager route to the trainer and the rule generator's `action` labels are each checked
@@ -11,13 +11,13 @@ import re
 
 import pytest
 import yaml
+from rankscope.cli import build_parser
+from rankscope.control import ControlChannel, ControlConfig
+from rankscope.control.actions import ActionRequest
+from rankscope.control.catalog import CATALOG, RESULTS, check_result
+from rankscope.control.limits import ActionLimits
+from rankscope.control.state import ActionQueue
 
-from exporter.cli import build_parser
-from exporter.control import ControlChannel, ControlConfig
-from exporter.control.actions import ActionRequest
-from exporter.control.catalog import CATALOG, RESULTS, check_result
-from exporter.control.limits import ActionLimits
-from exporter.control.state import ActionQueue
 from tests.support import REPO, load_rule_generator
 
 NAMES = [spec.name for spec in CATALOG]
@@ -48,7 +48,7 @@ def test_the_cli_has_one_command_per_action_with_its_parameters():
 
 
 def test_the_openapi_document_declares_the_actions_parameters_and_results():
-    document = yaml.safe_load((REPO / "exporter" / "control" / "openapi.yaml").read_text())
+    document = yaml.safe_load((REPO / "exporter" / "rankscope" / "control" / "openapi.yaml").read_text())
     schemas = document["components"]["schemas"]
     assert schemas["Action"]["enum"] == NAMES
     assert schemas["Result"]["enum"] == list(RESULTS)
@@ -99,7 +99,7 @@ def test_an_outcome_outside_the_catalog_is_refused_where_outcomes_are_recorded()
     queue = ActionQueue()
     queue.submit([ActionRequest(action="pause", source="operator", reason="operator:r")])
     (taken,) = queue.take()
-    with pytest.raises(ValueError, match="'done' is not one of exporter.control.catalog.RESULTS"):
+    with pytest.raises(ValueError, match="'done' is not one of rankscope.control.catalog.RESULTS"):
         queue.settle(taken, "done", 1)
     assert queue.settle(taken, "applied", 1).status == "applied"
     assert {check_result(result) for result in RESULTS} == set(RESULTS)

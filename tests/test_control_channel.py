@@ -9,11 +9,11 @@ import time
 import pytest
 import requests
 import torch
+from rankscope import Monitor, MonitorConfig, NullMonitor, RankIdentity
+from rankscope.control import ControlChannel, ControlConfig, ControlPortInUse, ControlStartError
+from rankscope.control.actions import ActionRequest
+from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 
-from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity
-from exporter.control import ControlChannel, ControlConfig, ControlPortInUse, ControlStartError
-from exporter.control.actions import ActionRequest
-from exporter.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 from tests.support import fetch, sample_value, samples, wait_for
 
 TOKEN = "channel-token"
@@ -324,7 +324,7 @@ def test_a_failing_checkpoint_is_reported_failed_and_the_loop_goes_on(make_chann
     assert actions_total(monitor, "checkpoint", "operator", "failed") == 1
 
 
-# --- recovery actions: the handler contract (exporter/control/recovery.py) ----------------------------
+# --- recovery actions: the handler contract (exporter/rankscope/control/recovery.py) ----------------------------
 
 
 class RecoveringLoop(LoopHandler):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from exporter import config_from_mapping
-from exporter.control import ControlConfig, load_token
+from rankscope import config_from_mapping
+from rankscope.control import ControlConfig, load_token
 
 
 def test_defaults_bind_loopback_and_need_a_token():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from exporter.control import ControlConfig
-from exporter.control.limits import ActionLimits, Limit
+from rankscope.control import ControlConfig
+from rankscope.control.limits import ActionLimits, Limit
 
 
 class FakeClock:

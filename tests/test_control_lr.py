@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from exporter.control.lr import can_reduce, current_learning_rates, scale_learning_rates
+from rankscope.control.lr import can_reduce, current_learning_rates, scale_learning_rates
 
 
 def make_optimizer(lrs=(0.1,)):

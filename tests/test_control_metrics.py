@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity
-from exporter.control import record_checkpoint
-from exporter.control.metrics import checkpoint_reason_label
+from rankscope import Monitor, MonitorConfig, NullMonitor, RankIdentity
+from rankscope.control import record_checkpoint
+from rankscope.control.metrics import checkpoint_reason_label
 
 
 @pytest.mark.parametrize(

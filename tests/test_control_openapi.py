@@ -1,4 +1,4 @@
-"""exporter/control/openapi.yaml checked against the app: routes, status codes, schemas.
+"""exporter/rankscope/control/openapi.yaml checked against the app: routes, status codes, schemas.
 
 Every documented (route, method, status) is produced by a request below, and
 every request below is documented; the app answers no status the document
@@ -13,16 +13,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import rankscope.control
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rankscope.control.actions import ACTIONS, RESULTS, ActionRequest
+from rankscope.control.app import _REASONS, ROUTES, AppDeps, create_app
+from rankscope.control.state import ActionQueue, RunSnapshot
 
-import exporter.control
-from exporter.control.actions import ACTIONS, RESULTS, ActionRequest
-from exporter.control.app import _REASONS, ROUTES, AppDeps, create_app
-from exporter.control.state import ActionQueue, RunSnapshot
-
-SPEC = yaml.safe_load((Path(exporter.control.__file__).parent / "openapi.yaml").read_text())
+SPEC = yaml.safe_load((Path(rankscope.control.__file__).parent / "openapi.yaml").read_text())
 TOKEN = "spec-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

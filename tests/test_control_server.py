@@ -10,10 +10,9 @@ import socket
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from exporter.control.app import AppDeps, create_app
-from exporter.control.server import ControlPortInUse, serve_control
-from exporter.control.state import ActionQueue, RunSnapshot
+from rankscope.control.app import AppDeps, create_app
+from rankscope.control.endpoint import ControlPortInUse, serve_control
+from rankscope.control.state import ActionQueue, RunSnapshot
 
 TOKEN = "server-test-token"
 LIMIT = 2048

@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
-from exporter.control.actions import ActionRequest, RequestError
-from exporter.control.state import ActionQueue, RunSnapshot
+from rankscope.control.actions import ActionRequest, RequestError
+from rankscope.control.state import ActionQueue, RunSnapshot
 
 
 def operator(action="checkpoint"):

@@ -1,4 +1,4 @@
-"""exporter.control.stops: signal handling that never keeps a rank from exiting.
+"""rankscope.control.stops: signal handling that never keeps a rank from exiting.
 
 DataLoader workers ignore SIGTERM while the rank handles stop signals (the rank decides when to stop),
 so multiprocessing's SIGTERM to its daemon children at interpreter exit cannot end them: a rank that an
@@ -20,7 +20,7 @@ RANK = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader
 
-    from exporter.control.stops import StopSignals, ignore_stop_signals
+    from rankscope.control.stops import StopSignals, ignore_stop_signals
 
     stops = StopSignals()  # as a ControlChannel installs it on every rank
     loader = DataLoader(list(range(1000)), batch_size=1, num_workers=1, worker_init_fn=ignore_stop_signals)

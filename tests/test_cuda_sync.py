@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from exporter import Monitor, MonitorConfig, RankIdentity
-from exporter.control import ControlChannel, ControlConfig
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope.control import ControlChannel, ControlConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the sync check needs a GPU")
 

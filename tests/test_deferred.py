@@ -1,6 +1,5 @@
 import torch
-
-from exporter.deferred import DeferredValues
+from rankscope.deferred import DeferredValues
 
 
 def test_cpu_tensors_and_numbers_resolve_immediately():

@@ -1,8 +1,7 @@
 import json
 
 import pytest
-
-from exporter import Monitor, MonitorConfig, RankIdentity, write_file_sd
+from rankscope import Monitor, MonitorConfig, RankIdentity, write_file_sd
 
 
 def test_a_single_process_writes_its_own_target_with_identity_labels(tmp_path):

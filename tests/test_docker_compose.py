@@ -6,7 +6,7 @@ source); every host path they mount and every file the Dockerfile copies must
 exist in the repository; and the services agree with the config files they
 mount (scrape targets, the webhook's token file). The VictoriaMetrics variant
 runs with the flags of the local stack the end-to-end test drives
-(trainer/vmstack.py).
+(devstack/vmstack.py).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_trainer_runs_two_ranks_on_cpu_by_default_and_cuda_with_the_gpu_override
     gpu = _load("docker-compose.gpu.yml")["services"]["trainer"]
     argv = base["entrypoint"] + base["command"]
     assert argv[:2] == ["torchrun", "--standalone"] and "--nproc_per_node=2" in argv
-    assert argv[argv.index("-m") + 1] == "trainer"
+    assert argv[argv.index("-m") + 1] == "rankscope_trainer"
     assert "run.device=cpu" in base["command"]
     assert "run.device=cuda" in gpu["command"]
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -198,12 +198,12 @@ def _flags(command: list[str]) -> dict[str, str]:
 
 
 def test_the_victoriametrics_variant_runs_the_shipped_files_with_the_tested_flags():
-    from trainer.vmstack import VICTORIA_METRICS_FLAGS, VMALERT_FLAGS
+    from devstack.vmstack import VICTORIA_METRICS_FLAGS, VMALERT_FLAGS
 
     base, vm = _load("docker-compose.yml"), _load("docker-compose.vm.yml")
     merged = {name: {**base["services"].get(name, {}), **spec} for name, spec in vm["services"].items()}
     store, vmagent, vmalert = (_flags(merged[name]["command"]) for name in ("prometheus", "vmagent", "vmalert"))
-    # The latency flags of trainer/vmstack.py, which tests/e2e/test_victoriametrics.py runs with.
+    # The latency flags of devstack/vmstack.py, which tests/e2e/test_victoriametrics.py runs with.
     assert _flags(list(VICTORIA_METRICS_FLAGS)).items() <= store.items()
     assert _flags(list(VMALERT_FLAGS)).items() <= vmalert.items()
     # The store takes Prometheus's name and port: Grafana's provisioned datasource queries it unchanged.

@@ -1,4 +1,4 @@
-"""exporter.exposition: the fast renderer says what prometheus_client says, and the page cache holds."""
+"""rankscope.serving.exposition: the fast renderer says what prometheus_client says, and the page cache holds."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, Summary, generate_latest
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
-
-from exporter import Monitor, MonitorConfig, RankIdentity
-from exporter.exposition import CachedPage, PageRenderer
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope.serving.exposition import CachedPage, PageRenderer
 
 NASTY = 'back\\slash "quoted"\nnew line, ünïcødé'
 

@@ -14,13 +14,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporter.contract import METRICS
-from grafana import generate
-from grafana.panels import DATASOURCE_UID, GPU_ONLY_METRICS
-from grafana.queries import DASHBOARDS_DIR, REQUIRES_GPU_TAG, dashboards, metric_names, panel_queries, substitute
-from grafana.rules import generator, tunables
-from trainer.metrics import TRAINER_METRICS
+from rankscope.contract import METRICS
+from rankscope.mixin.dashboards import generate
+from rankscope.mixin.dashboards.panels import DATASOURCE_UID, GPU_ONLY_METRICS
+from rankscope.mixin.dashboards.queries import (
+    DASHBOARDS_DIR,
+    REQUIRES_GPU_TAG,
+    dashboards,
+    metric_names,
+    panel_queries,
+    substitute,
+)
+from rankscope.mixin.dashboards.rules import generator, tunables
+from rankscope_trainer.metrics import TRAINER_METRICS
 
 REPO = Path(__file__).resolve().parent.parent
 PROVISIONING = REPO / "grafana" / "provisioning"
@@ -93,7 +99,7 @@ def test_every_metric_a_dashboard_names_is_in_the_contract_or_a_recording_rule(b
             if name not in known
         }
     )
-    assert not unknown, f"metrics not in exporter.contract, trainer.metrics nor prometheus/rules: {unknown}"
+    assert not unknown, f"metrics not in rankscope.contract, rankscope_trainer.metrics nor prometheus/rules: {unknown}"
 
 
 def test_the_metric_name_extractor_finds_names_and_skips_labels_and_functions():
@@ -204,7 +210,7 @@ def test_every_panel_and_annotation_query_is_valid_promql(boards, tmp_path):
 
 
 # --- thresholds and text come from the rules' Tunables ------------------------------------------------
-# prometheus/generate_rules.py's Tunables is the one source of every alert threshold and `for`; the
+# exporter/rankscope/mixin/rules.py's Tunables is the one source of every alert threshold and `for`; the
 # dashboards draw the alerts' lines and quote them from it. These panels show an alert's numbers:
 # (tunables drawn as threshold lines, tunables quoted in the description).
 PANEL_TUNABLES = {

@@ -1,8 +1,7 @@
 import math
 
 import torch
-
-from exporter.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag
+from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag
 
 
 def test_nonfinite_flag_sees_nan_and_inf_in_tensors_and_floats():

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from rankscope import METRICS, MonitorConfig
+from rankscope.integrations.hf.callback import RankscopeCallback, config_hash
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from examples.hf_trainer import build_trainer
-from exporter import METRICS, MonitorConfig
-from exporter.hf import RankscopeCallback, config_hash
 from tests.support import (
     REPO,
     contract_families,
@@ -148,7 +148,7 @@ def test_skip_nonfinite_is_refused_with_a_reason():
 
 
 def test_importing_exporter_does_not_import_transformers():
-    code = "import sys, exporter, exporter.control; sys.exit('transformers' in sys.modules)"
+    code = "import sys, exporter, rankscope.control; sys.exit('transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "exporter imported transformers"
 

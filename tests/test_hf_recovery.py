@@ -15,13 +15,13 @@ import pytest
 import requests
 import safetensors.torch
 import torch
+from rankscope import MonitorConfig
+from rankscope.control import ControlConfig
+from rankscope.integrations.hf.callback import RankscopeCallback
+from rankscope.integrations.hf.recovery import POSITION_FILE, RECORD_FILE, ROLLED_BACK_DIR
 from transformers import TrainerCallback
 
 from examples.hf_trainer import MajorityDataset, build_trainer
-from exporter import MonitorConfig
-from exporter._hf_recovery import POSITION_FILE, RECORD_FILE, ROLLED_BACK_DIR
-from exporter.control import ControlConfig
-from exporter.hf import RankscopeCallback
 from tests.support import fetch, free_port, free_port_block, sample_value, samples, stop_process, torchrun, wait_for
 
 TOKEN = "hf-recovery-test-token"

@@ -1,4 +1,4 @@
-"""exporter.httpd behind both real servers (/metrics and the control endpoint): real sockets, a real
+"""rankscope.serving.http_server behind both real servers (/metrics and the control endpoint): real sockets, a real
 fork and exec, thousands of real idle connections."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from rankscope.control.app import AppDeps, create_app
+from rankscope.control.endpoint import MAX_CONNECTIONS as CONTROL_MAX_CONNECTIONS
+from rankscope.control.endpoint import serve_control
+from rankscope.control.state import ActionQueue, RunSnapshot
+from rankscope.serving.http_server import HttpServer, Response, listen
+from rankscope.serving.metrics_endpoint import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
+from rankscope.serving.metrics_endpoint import serve_metrics
 
-from exporter.control.app import AppDeps, create_app
-from exporter.control.server import MAX_CONNECTIONS as CONTROL_MAX_CONNECTIONS
-from exporter.control.server import serve_control
-from exporter.control.state import ActionQueue, RunSnapshot
-from exporter.httpd import HttpServer, Response, listen
-from exporter.server import MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
-from exporter.server import serve_metrics
 from tests.support import wait_for
 
 KINDS = ["metrics", "control"]

@@ -1,6 +1,5 @@
 import pytest
-
-from exporter import RankIdentity
+from rankscope import RankIdentity
 
 
 def test_identity_is_read_from_torchrun_environment():

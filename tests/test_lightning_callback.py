@@ -13,11 +13,11 @@ import lightning.pytorch as pl
 import pytest
 import requests
 import torch
+from rankscope import MonitorConfig, NullMonitor
+from rankscope.control import ControlConfig
+from rankscope.integrations.lightning.callback import RankscopeCallback, config_hash
 
 from examples.lightning_example import FEATURES, Regression, build_trainer, make_loader
-from exporter import MonitorConfig, NullMonitor
-from exporter.control import ControlConfig
-from exporter.lightning import RankscopeCallback, config_hash
 from tests.jobs.lightning_job import LightningJob
 from tests.support import (
     REPO,
@@ -287,7 +287,7 @@ def test_skip_nonfinite_is_refused_with_a_reason():
 
 def test_importing_exporter_does_not_import_lightning():
     code = (
-        "import sys, exporter, exporter.control\n"
+        "import sys, exporter, rankscope.control\n"
         "sys.exit(any(name.split('.')[0] in ('lightning', 'pytorch_lightning') for name in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

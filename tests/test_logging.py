@@ -13,7 +13,7 @@ from tests.support import REPO
 _LOOP = """
 import logging, sys
 {setup}
-from exporter import Monitor, MonitorConfig, RankIdentity
+from rankscope import Monitor, MonitorConfig, RankIdentity
 monitor = Monitor(MonitorConfig(host="127.0.0.1", base_port=0, probes=()), RankIdentity("log", 0, 0, 1, "n"))
 monitor.start()
 monitor.close()
@@ -51,7 +51,7 @@ def test_rankscope_log_level_silences_it(level):
 
 
 def test_a_bad_level_is_named():
-    from exporter import set_log_level
+    from rankscope import set_log_level
 
     with pytest.raises(ValueError, match="must be one of debug, info, warning, error, off, got 'loud'"):
         set_log_level("loud")

@@ -1,8 +1,7 @@
 import pytest
 import torch
+from rankscope.modules import ModuleStats, module_groups
 from torch import nn
-
-from exporter.modules import ModuleStats, module_groups
 
 
 def test_groups_are_the_top_level_children_with_trainable_parameters():
@@ -134,7 +133,7 @@ def test_a_failure_inside_the_optimizer_hooks_is_reported_not_raised_into_the_st
 
 
 def test_norms_of_the_shares_on_several_devices_combine_as_one_norm():
-    from exporter.modules import _combine_norms
+    from rankscope.modules import _combine_norms
 
     combined = _combine_norms([torch.tensor([3.0, 0.0, 1.0]), torch.tensor([4.0, 2.0, 0.0])])
     assert combined.tolist() == [5.0, 2.0, 1.0]

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-
-from exporter import Monitor, MonitorConfig, NullMonitor, RankIdentity, create_monitor
+from rankscope import Monitor, MonitorConfig, NullMonitor, RankIdentity, create_monitor
 
 IDENTITY = RankIdentity(run_id="t1", rank=0, local_rank=0, world_size=1, node="n0")
 LABELS = IDENTITY.labels()
@@ -17,7 +16,7 @@ def value(monitor, name, **extra):
 
 def make(**config):
     """A monitor with the reference trainer's own metrics declared too (the tests record some of them)."""
-    from trainer.metrics import TRAINER_METRICS
+    from rankscope_trainer.metrics import TRAINER_METRICS
 
     config.setdefault("base_port", 0)
     config.setdefault("probes", ("host",))
@@ -262,8 +261,7 @@ def test_null_monitor_clips_with_torch():
 
 def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
-    from exporter.instruments import observe_all
+    from rankscope.instruments import observe_all
 
     values = [0.0, 1.0, 1.0, 2.5, 7.0, 7.0, 7.0, 100.0, 1e9, float("inf"), -3.0]
     pages = []
@@ -283,8 +281,7 @@ def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
 
 def test_a_nan_among_observed_values_takes_the_plain_path():
     from prometheus_client import CollectorRegistry, Histogram
-
-    from exporter.instruments import observe_all
+    from rankscope.instruments import observe_all
 
     child = Histogram("h", "help", registry=CollectorRegistry(), buckets=(1.0,))
     observe_all(child, [0.5, float("nan"), 2.0])

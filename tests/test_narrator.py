@@ -5,15 +5,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trainer.config import load_config
-from trainer.narrator import SCENARIOS
+from rankscope_trainer.config import load_config
+
+from devstack.narrator import SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_scenario_switches_on_a_fault_the_trainer_accepts():
     for name, scenario in SCENARIOS.items():
-        config = load_config("trainer/configs/demo.yaml", list(scenario.settings))
+        config = load_config("trainer/rankscope_trainer/configs/demo.yaml", list(scenario.settings))
         assert (config.faults.active() != []) == (name != "none"), name
 
 

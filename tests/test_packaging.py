@@ -47,8 +47,8 @@ def test_the_base_install_asks_only_for_what_the_exporter_needs():
 def test_the_exporter_imports_records_and_serves_without_any_extra():
     code = """
 import urllib.request
-from exporter import Monitor, MonitorConfig, RankIdentity
-from exporter.control import ControlChannel, ControlConfig
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope.control import ControlChannel, ControlConfig
 config = MonitorConfig(host="127.0.0.1", base_port=0, page_cache_seconds=0)
 monitor = Monitor(config, RankIdentity("light", 0, 0, 1, "n"))
 monitor.start()
@@ -67,7 +67,7 @@ print("served")
 def test_rankscope_ctl_needs_no_torch():
     code = """
 import sys
-from exporter.cli import main
+from rankscope.cli import main
 code = main(["--url", "http://127.0.0.1:1", "status"])
 assert "torch" not in sys.modules, "rankscope-ctl imported torch"
 sys.exit(code)
@@ -80,7 +80,11 @@ sys.exit(code)
 
 
 def test_an_integration_without_its_extra_names_the_extra_in_one_line():
-    for module, extra in (("exporter.hf", "hf"), ("exporter.lightning", "lightning"), ("trainer.loop", "trainer")):
+    for module, extra in (
+        ("rankscope.integrations.hf.callback", "hf"),
+        ("rankscope.integrations.lightning.callback", "lightning"),
+        ("rankscope_trainer.loop", "trainer"),
+    ):
         result = _python(f"import {module}", EXTRAS_ONLY)
         assert result.returncode == 1, module
         last = result.stderr.strip().splitlines()[-1]

@@ -4,9 +4,8 @@ import logging
 
 import pytest
 import torch
-
-from exporter import Monitor, MonitorConfig, RankIdentity
-from exporter.probes import DeviceMemoryProbe, NvmlProbe, Probe, ProbeUnavailable, Sample
+from rankscope import Monitor, MonitorConfig, RankIdentity
+from rankscope.probes import DeviceMemoryProbe, NvmlProbe, Probe, ProbeUnavailable, Sample
 
 IDENTITY = RankIdentity(run_id="p", rank=0, local_rank=0, world_size=1, node="n0")
 LABELS = IDENTITY.labels()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind
 
-from exporter.contract import IDENTITY_LABELS, METRICS, MetricKind
 from tests.support import fetch, load_rule_generator, stop_process, tail, torchrun, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def _unit_tests() -> list[dict]:
 
 def test_committed_rule_files_equal_the_generator_output():
     for name, text in gen.render(gen.Tunables()).items():
-        assert (RULES / name).read_text() == text, f"{name} is stale: run python prometheus/generate_rules.py"
+        assert (RULES / name).read_text() == text, f"{name} is stale: run python -m rankscope.mixin.rules"
     assert {p.name for p in RULE_FILES} == set(gen.render(gen.Tunables()))
 
 
@@ -156,7 +156,7 @@ def _series_names() -> set[str]:
 def test_every_metric_a_rule_reads_exists_in_the_contract_or_is_recorded(rule):
     names = _names_in(rule["expr"])
     unknown = {n for n in names if n.startswith("rankscope_") and n not in _series_names()}
-    assert not unknown, f"not in exporter.contract: {sorted(unknown)}"
+    assert not unknown, f"not in rankscope.contract: {sorted(unknown)}"
     unrecorded = {n for n in names if ":" in n and n not in RECORDED}
     assert not unrecorded, f"no recording rule produces {sorted(unrecorded)}"
 
@@ -191,18 +191,17 @@ def test_every_metric_a_rule_reads_is_looked_up_in_the_contract(metric_name, mon
 
 
 def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
-    # The generator and a copy of the contract in which rankscope_grad_norm is renamed, laid out as in the repo.
-    (tmp_path / "prometheus").mkdir()
-    (tmp_path / "exporter" / "control").mkdir(parents=True)
-    shutil.copy(PROM / "generate_rules.py", tmp_path / "prometheus")
-    shutil.copy(REPO / "exporter" / "control" / "catalog.py", tmp_path / "exporter" / "control")
-    contract = (REPO / "exporter" / "contract.py").read_text()
-    assert contract.count('_m("grad_norm", ') == 1
-    (tmp_path / "exporter" / "contract.py").write_text(contract.replace('_m("grad_norm", ', '_m("gradient_norm", '))
+    # The installed generator, run as a user runs it, after rankscope_grad_norm is renamed in the contract.
+    rename = (
+        "import sys, dataclasses; from rankscope import contract\n"
+        "spec = contract.METRICS.pop('rankscope_grad_norm')\n"
+        "contract.METRICS['rankscope_gradient_norm'] = dataclasses.replace(spec, name='rankscope_gradient_norm')\n"
+        "from rankscope.mixin import rules\n"
+        "sys.exit(rules.main(sys.argv[1:]))\n"
+    )
     result = subprocess.run(
-        [sys.executable, str(tmp_path / "prometheus" / "generate_rules.py"), "--out", str(tmp_path / "rules")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-c", rename, "--out", str(tmp_path / "rules")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0 and "grad_norm" in result.stderr, result.stderr
     assert not (tmp_path / "rules").exists()
 
@@ -259,7 +258,7 @@ def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
 
 
 # --- the runbook and prometheus/README.md quote the Tunables: checked against them ---------------
-# Tunables (prometheus/generate_rules.py) is the one source of every threshold, window and `for`. The
+# Tunables (exporter/rankscope/mixin/rules.py) is the one source of every threshold, window and `for`. The
 # runbook stays prose, so it is not generated: every number it quotes is checked here instead, and so
 # is the alert table of prometheus/README.md. Which tunables an alert uses is found by changing each
 # one and seeing which generated alerts change.
@@ -558,7 +557,7 @@ def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message
     assert not list(tmp_path.iterdir())
 
 
-# --- the recovery actions an alert can ask for (exporter/control/catalog.py) ----------------------
+# --- the recovery actions an alert can ask for (exporter/rankscope/control/catalog.py) ----------------------
 # Each `*_action` tunable picks the `action` label of its alerts among the catalog's actions for them.
 
 #: The rules with every recovery action chosen that is not the default, and their unit tests.

@@ -1,12 +1,12 @@
-"""exporter.report.analysis: loss rate of change, LR-loss correlation, alignment, the straggler."""
+"""rankscope.report.analysis: loss rate of change, LR-loss correlation, alignment, the straggler."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from rankscope.report.analysis import align, rate_of_change, ratio_to_median, rolling_correlation, straggler
+from rankscope.report.series import Series
 
-from exporter.report.analysis import align, rate_of_change, ratio_to_median, rolling_correlation, straggler
-from exporter.report.series import Series
 from tests.report_series import compute_per_rank
 
 TIMES = 1_800_000_000.0 + 5.0 * np.arange(100)

@@ -1,16 +1,15 @@
-"""exporter.report.attention: reading the attention maps the reference trainer saves (trainer.attention_maps)."""
+"""rankscope.report.attention: reading the attention maps the reference trainer saves (rankscope_trainer.attention_maps)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-from exporter.report.attention import read_attention_maps
-from trainer.attention_maps import save_attention_maps
-from trainer.config import ModelConfig, RunConfig
-from trainer.data import Collate, ShapesDataset, image_transform
-from trainer.model import build_model
-from trainer.tokenizer import WordTokenizer
+from rankscope.report.attention import read_attention_maps
+from rankscope_trainer.attention_maps import save_attention_maps
+from rankscope_trainer.config import ModelConfig, RunConfig
+from rankscope_trainer.data import Collate, ShapesDataset, image_transform
+from rankscope_trainer.model import build_model
+from rankscope_trainer.tokenizer import WordTokenizer
 
 
 def test_the_maps_the_trainer_saves_read_back_oldest_first_and_a_broken_file_is_named(tmp_path) -> None:

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rankscope import Monitor, MonitorConfig, RankIdentity
 
-from exporter import Monitor, MonitorConfig, RankIdentity
+from devstack.processes import Children
 from tests.support import REPO, fetch, free_port, start_prometheus, wait_for
-from trainer.processes import Children
 
 pytestmark = pytest.mark.integration
 
 
 def report(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exporter.report", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rankscope.report", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 

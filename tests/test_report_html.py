@@ -1,11 +1,11 @@
-"""exporter.report.html: one self-contained page, every text escaped."""
+"""rankscope.report.html: one self-contained page, every text escaped."""
 
 from __future__ import annotations
 
 import base64
 import re
 
-from exporter.report.html import Figure, Note, Paragraph, Section, Table, render_page
+from rankscope.report.html import Figure, Note, Paragraph, Section, Table, render_page
 
 
 def test_the_page_embeds_its_images_and_escapes_every_text() -> None:

@@ -1,4 +1,4 @@
-"""exporter.report.incidents: alert episodes from ALERTS samples, actions from the control counter and the
+"""rankscope.report.incidents: alert episodes from ALERTS samples, actions from the control counter and the
 run log, and the fault-to-action time between them."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ import json
 
 import numpy as np
 import pytest
-
-from exporter.report.incidents import action_events, alert_episodes, find_incidents
-from exporter.report.runlog import read_run_log
-from exporter.report.series import Series
+from rankscope.report.incidents import action_events, alert_episodes, find_incidents
+from rankscope.report.runlog import read_run_log
+from rankscope.report.series import Series
 
 T0 = 1_800_000_000.0
 EVAL = 1.0

@@ -1,4 +1,4 @@
-"""exporter.report stays apart: `import exporter` loads neither it nor matplotlib, and it is installable."""
+"""rankscope.report stays apart: `import exporter` loads neither it nor matplotlib, and it is installable."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_import_exporter_loads_neither_the_report_nor_matplotlib() -> None:
-    loaded = _modules_after("import exporter, exporter.control")
-    assert not {m for m in loaded if m.startswith(("exporter.report", "matplotlib"))}
+    loaded = _modules_after("import exporter, rankscope.control")
+    assert not {m for m in loaded if m.startswith(("rankscope.report", "matplotlib"))}
 
 
 def test_the_prometheus_client_and_the_command_line_load_matplotlib_only_to_draw() -> None:
-    loaded = _modules_after("import exporter.report.cli, exporter.report.run, exporter.report.runlog")
+    loaded = _modules_after("import rankscope.report.cli, rankscope.report.run, rankscope.report.runlog")
     assert "matplotlib" not in loaded
 
 
 def test_the_command_and_its_extra_are_declared() -> None:
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts")}
-    assert scripts["rankscope-report"] == "exporter.report.cli:main"
+    assert scripts["rankscope-report"] == "rankscope.report.cli:main"
     requires = metadata.requires("rankscope") or []
     assert any(r.startswith("matplotlib") and 'extra == "report"' in r for r in requires), requires
     # CI installs the dev extra: it has matplotlib, directly or through rankscope[...,report].

@@ -1,4 +1,4 @@
-"""exporter.report.plots: every figure of the run report, drawn from synthetic series.
+"""rankscope.report.plots: every figure of the run report, drawn from synthetic series.
 
 Each test builds a figure the way the report does, checks what it shows (lines per rank in
 their colour, units on the axes, the straggler named, actions marked) and that its PNG is a
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from matplotlib import colors as mcolors
 from PIL import Image, ImageStat
+from rankscope.control.catalog import CATALOG
+from rankscope.report import plots
+from rankscope.report.analysis import straggler
+from rankscope.report.attention import AttentionSnapshot
+from rankscope.report.incidents import ActionEvent, AlertEpisode, Incidents
+from rankscope.report.series import Series
 
-from exporter.control.catalog import CATALOG
-from exporter.report import plots
-from exporter.report.analysis import straggler
-from exporter.report.attention import AttentionSnapshot
-from exporter.report.incidents import ActionEvent, AlertEpisode, Incidents
-from exporter.report.series import Series
 from tests.report_series import compute_per_rank
 
 T0 = 1_800_000_000.0

@@ -1,4 +1,4 @@
-"""exporter.report.runlog: the trainer's JSONL run log, read for the report."""
+"""rankscope.report.runlog: the trainer's JSONL run log, read for the report."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
-from exporter.report.errors import ReportError
-from exporter.report.runlog import read_run_log
+from rankscope.report.errors import ReportError
+from rankscope.report.runlog import read_run_log
 
 
 def _write(tmp_path, lines: list[str]):

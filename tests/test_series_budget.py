@@ -20,7 +20,7 @@ SERIES_PER_RANK_BUDGET = 100
 
 @pytest.mark.integration
 def test_a_demo_rank_serves_at_most_the_budget_of_series(trainer_job) -> None:
-    job = trainer_job("budget", ["run.max_steps=100000"], config="trainer/configs/demo.yaml")
+    job = trainer_job("budget", ["run.max_steps=100000"], config="trainer/rankscope_trainer/configs/demo.yaml")
     validated_and_saved = lambda: job.records("val") and job.records("checkpoint")  # noqa: E731
     job.wait_for(validated_and_saved, "the first validation and checkpoint", timeout=600)
     for rank in (0, 1):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
+from rankscope import MetricsPortInUse, Monitor, MonitorConfig, RankIdentity
+from rankscope.serving.metrics_endpoint import serve_metrics
 
-from exporter import MetricsPortInUse, Monitor, MonitorConfig, RankIdentity
-from exporter.server import serve_metrics
 from tests.support import binary, fetch
 
 

@@ -1,4 +1,4 @@
-"""trainer.stack: the no-Docker stack launcher (`make demo`).
+"""devstack.stack: the no-Docker stack launcher (`make demo`).
 
 The derived configs are checked with the real promtool and amtool; the
 launcher itself is started for real (Prometheus, Alertmanager, torchrun with
@@ -22,9 +22,9 @@ import psutil
 import pytest
 import yaml
 
-from trainer.jobs import wait_for
-from trainer.servers import INSTALL_HINT
-from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
+from devstack.binaries import INSTALL_HINT
+from devstack.jobs import wait_for
+from devstack.stack import Ports, derive_alertmanager_config, derive_prometheus_config
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS_YML = REPO / "prometheus" / "prometheus.yml"
@@ -38,7 +38,7 @@ def _launch(args: list[str], tmp_path: Path, env: dict | None = None) -> subproc
     # A 1-step run reaches no scenario's fault: "none" unless the test names one.
     launcher_args = ["--run-dir", str(tmp_path / "stack"), "--config", str(config), "--scenario", "none"]
     return subprocess.run(
-        [sys.executable, "-m", "trainer.stack", *launcher_args, *args],
+        [sys.executable, "-m", "devstack.stack", *launcher_args, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -116,7 +116,7 @@ def test_a_taken_default_port_is_replaced_by_a_free_one_and_said(capsys):
     import argparse
     import contextlib
 
-    from trainer.stack import choose_ports
+    from devstack.stack import choose_ports
 
     with socket.socket() as busy:
         with contextlib.suppress(OSError):  # already taken by another server: just as good
@@ -161,7 +161,7 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         "--control-port": free_port(),
         "--metrics-port": free_port_block(2),
     }
-    argv = [sys.executable, "-m", "trainer.stack", "--run-dir", str(tmp_path / "stack"), "--nproc", "2"]
+    argv = [sys.executable, "-m", "devstack.stack", "--run-dir", str(tmp_path / "stack"), "--nproc", "2"]
     argv += ["--steps", "100000", *(str(x) for kv in ports.items() for x in kv)]
     log_path = tmp_path / "launcher.log"
     with open(log_path, "wb") as log:
@@ -183,7 +183,7 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         assert (
             "prometheus-alertmanager" in names and "--storage.tsdb.path" in names and "torch.distributed.run" in names
         )
-        assert sum("-m trainer" in " ".join(p.cmdline()) for p in started) >= 3  # torchrun + 2 ranks
+        assert sum("-m rankscope_trainer" in " ".join(p.cmdline()) for p in started) >= 3  # torchrun + 2 ranks
         token = tmp_path / "stack" / "control-token"
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
 

@@ -1,17 +1,16 @@
-"""trainer.attention_maps: the validation samples' attention maps the run report shows."""
+"""rankscope_trainer.attention_maps: the validation samples' attention maps the run report shows."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
-from trainer import attention_maps
-from trainer.attention_maps import KEEP_FILES, attention_dir, save_attention_maps
-from trainer.config import ConfigError, ModelConfig, RunConfig
-from trainer.data import Collate, ShapesDataset, image_transform
-from trainer.model import build_model
-from trainer.tokenizer import WordTokenizer
+from rankscope_trainer import attention_maps
+from rankscope_trainer.attention_maps import KEEP_FILES, attention_dir, save_attention_maps
+from rankscope_trainer.config import ConfigError, ModelConfig, RunConfig
+from rankscope_trainer.data import Collate, ShapesDataset, image_transform
+from rankscope_trainer.model import build_model
+from rankscope_trainer.tokenizer import WordTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""trainer.checkpoint: atomic files kept K deep, corrupt ones reported and skipped, metrics recorded."""
+"""rankscope_trainer.checkpoint: atomic files kept K deep, corrupt ones reported and skipped, metrics recorded."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from exporter import Monitor
-from tests.support import trainer_monitor
-from trainer.checkpoint import (
+from rankscope import Monitor
+from rankscope_trainer.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpointer,
     CheckpointError,
@@ -21,7 +19,9 @@ from trainer.checkpoint import (
     read_checkpoint,
     write_atomically,
 )
-from trainer.runtime import Runtime
+from rankscope_trainer.runtime import Runtime
+
+from tests.support import trainer_monitor
 
 LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
 
@@ -169,7 +169,7 @@ def test_damaged_files_are_never_counted_as_kept_nor_removed(tmp_path: Path, run
         write_atomically(good, path)
         path.write_bytes(damage(path.read_bytes()))
     checkpoints = Checkpointer(tmp_path, keep=2, runtime=runtime, monitor=monitor)
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="rankscope_trainer"):
         assert checkpoints.load("auto") is None
     assert caplog.text.count("trying the previous one") == 3
     for step in (5, 10, 12):
@@ -217,7 +217,7 @@ def test_a_failed_save_is_counted_logged_remembered_and_training_goes_on(
     checkpoints = Checkpointer(directory, keep=2, runtime=runtime, monitor=monitor)
     shutil.rmtree(directory)
     directory.write_text("the directory was replaced by a file")  # as if the volume went away
-    with caplog.at_level(logging.ERROR, logger="trainer"):
+    with caplog.at_level(logging.ERROR, logger="rankscope_trainer"):
         assert _save(checkpoints, 5, "operator:test") is None
     assert "failed" in caplog.text and "training goes on" in caplog.text
     assert len(checkpoints.failures) == 1 and "operator:test" in checkpoints.failures[0]
@@ -247,7 +247,7 @@ def test_resume_auto_skips_a_truncated_newest_checkpoint_for_the_previous_one(
     newest = paths[-1]
     newest.write_bytes(newest.read_bytes()[:100])
     os.utime(newest, ns=(1_800_000_000_000_000_000,) * 2)
-    with caplog.at_level(logging.WARNING, logger="trainer"):
+    with caplog.at_level(logging.WARNING, logger="rankscope_trainer"):
         path, state = checkpoints.load("auto")
     assert path == paths[1] and state["step"] == 20
     assert f"checkpoint {newest} is unreadable (truncated or corrupt" in caplog.text

@@ -1,4 +1,4 @@
-"""trainer.config: one YAML schema, validated at start, with one-line errors that name the key."""
+"""rankscope_trainer.config: one YAML schema, validated at start, with one-line errors that name the key."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rankscope_trainer.config import ConfigError, TrainConfig, apply_override, load_config, parse_config
 
 from tests.support import REPO
-from trainer.config import ConfigError, TrainConfig, apply_override, load_config, parse_config
 
 
 def _error(raw: dict) -> str:
@@ -22,7 +22,7 @@ def _error(raw: dict) -> str:
 
 @pytest.mark.parametrize("name", ["demo.yaml", "test.yaml"])
 def test_the_shipped_configs_are_valid(name: str) -> None:
-    config = load_config(REPO / "trainer" / "configs" / name)
+    config = load_config(REPO / "trainer" / "rankscope_trainer" / "configs" / name)
     assert config.run.max_steps >= 1
     assert config.data.source == "synthetic"
 
@@ -137,7 +137,7 @@ def test_the_command_line_reports_a_bad_setting_in_one_line_and_exits_2(tmp_path
     config = tmp_path / "bad.yaml"
     config.write_text("optim:\n  lr: fast\n")
     result = subprocess.run(
-        [sys.executable, "-m", "trainer", "--config", str(config)],
+        [sys.executable, "-m", "rankscope_trainer", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""trainer.data: the synthetic shapes set, manifests checked up front, and resumable sampling."""
+"""rankscope_trainer.data: the synthetic shapes set, manifests checked up front, and resumable sampling."""
 
 from __future__ import annotations
 
@@ -8,12 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
-
-from exporter import Monitor
-from tests.support import trainer_monitor
-from trainer.config import DataConfig, SyntheticConfig
-from trainer.data import (
+from rankscope import Monitor
+from rankscope_trainer.config import DataConfig, SyntheticConfig
+from rankscope_trainer.data import (
     COLOURS,
     BadSample,
     Collate,
@@ -26,7 +23,10 @@ from trainer.data import (
     read_manifest,
     settle_bad_samples,
 )
-from trainer.tokenizer import WordTokenizer
+from rankscope_trainer.tokenizer import WordTokenizer
+from torch.utils.data import DataLoader
+
+from tests.support import trainer_monitor
 
 # --- synthetic shapes ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""trainer.faults: each switch does what it says, and leaves its signature in the scraped metrics.
+"""rankscope_trainer.faults: each switch does what it says, and leaves its signature in the scraped metrics.
 
 The unit tests drive a FaultInjector directly. The integration tests share one
 2-rank torchrun run (CPU is scarce) with every switch but the crash on, at
@@ -17,10 +17,10 @@ import time
 import psutil
 import pytest
 import torch
+from rankscope_trainer.config import build_section
+from rankscope_trainer.faults import FaultInjector, FaultsConfig
 
 from tests.support import REPO, sample_value
-from trainer.config import build_section
-from trainer.faults import FaultInjector, FaultsConfig
 
 
 def _faults(**sections: dict) -> FaultsConfig:
@@ -60,7 +60,7 @@ def test_a_nonfinite_loss_comes_only_at_its_steps_and_on_its_rank() -> None:
 
 
 def test_poison_scrambles_the_captions_of_its_data_batches_only_and_draws_no_randomness() -> None:
-    from trainer.data import Batch
+    from rankscope_trainer.data import Batch
 
     def batch() -> Batch:
         ids = torch.arange(12).reshape(4, 3)
@@ -139,7 +139,7 @@ def test_slow_data_delays_the_batches_of_its_rank_from_its_step() -> None:
 def test_a_crash_exits_the_process_on_the_first_attempt_only() -> None:
     script = (
         "import torch\n"
-        "from trainer.faults import FaultInjector, FaultsConfig, CrashFault\n"
+        "from rankscope_trainer.faults import FaultInjector, FaultsConfig, CrashFault\n"
         "opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)\n"
         "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)\n"
         "cfg = FaultsConfig(crash=CrashFault(at_step=2, rank=0, exit_code=17))\n"

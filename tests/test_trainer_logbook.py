@@ -1,4 +1,4 @@
-"""trainer.logbook: per-step records resolved in one go, events, and a readable progress line."""
+"""rankscope_trainer.logbook: per-step records resolved in one go, events, and a readable progress line."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
-
-from trainer.logbook import ProgressLog
+from rankscope_trainer.logbook import ProgressLog
 
 
 def _records(path: Path) -> list[dict]:
@@ -20,7 +19,7 @@ def test_steps_are_written_at_the_flush_with_their_own_values(tmp_path: Path, ca
     for step, loss in [(1, 2.5), (2, 2.0), (3, float("nan"))]:
         log.record_step(step, torch.tensor(loss), torch.tensor([0.25, 0.5]), lr=1e-3 * step)
     assert not (tmp_path / "run" / "log.jsonl").exists()  # nothing resolved before the flush
-    with caplog.at_level(logging.INFO, logger="trainer"):
+    with caplog.at_level(logging.INFO, logger="rankscope_trainer"):
         log.flush()
     records = _records(tmp_path / "run" / "log.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]

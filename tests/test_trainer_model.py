@@ -1,4 +1,4 @@
-"""trainer.model: the dual encoder, its contrastive loss, accuracy and attention entropy."""
+"""rankscope_trainer.model: the dual encoder, its contrastive loss, accuracy and attention entropy."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from trainer.config import ModelConfig
-from trainer.data import Collate, ShapesDataset, image_transform
-from trainer.model import attention_entropy, build_model, contrastive_accuracy, contrastive_loss
-from trainer.tokenizer import WordTokenizer
+from rankscope_trainer.config import ModelConfig
+from rankscope_trainer.data import Collate, ShapesDataset, image_transform
+from rankscope_trainer.model import attention_entropy, build_model, contrastive_accuracy, contrastive_loss
+from rankscope_trainer.tokenizer import WordTokenizer
 
 
 @pytest.fixture(scope="module")

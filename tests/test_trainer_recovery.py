@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from rankscope_trainer.checkpoint import read_checkpoint
 
 from tests.support import records_after_last, replay_rollback, sample_value
-from trainer.checkpoint import read_checkpoint
 
 TOKEN = "recovery-test-token"
 
@@ -208,11 +208,11 @@ class SavedForBackward:
 
 
 def test_a_halved_micro_batch_holds_about_half_the_activation_memory_per_forward(tmp_path: Path) -> None:
-    from trainer.config import load_config
-    from trainer.loop import Trainer
+    from rankscope_trainer.config import load_config
+    from rankscope_trainer.loop import Trainer
 
     cfg = load_config(
-        "trainer/configs/test.yaml",
+        "trainer/rankscope_trainer/configs/test.yaml",
         [f"checkpoint.dir={tmp_path / 'checkpoints'}", f"run.log_file={tmp_path / 'log.jsonl'}",
          "control.enabled=false", "metrics.enabled=false", "data.num_workers=0"],
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""trainer.runtime: seeding and RNG state that survive a checkpoint exactly."""
+"""rankscope_trainer.runtime: seeding and RNG state that survive a checkpoint exactly."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import random
 
 import numpy as np
 import torch
-
-from trainer.runtime import get_rng_state, seed_everything, set_rng_state
+from rankscope_trainer.runtime import get_rng_state, seed_everything, set_rng_state
 
 
 def _draws() -> tuple:

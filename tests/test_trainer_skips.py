@@ -1,10 +1,9 @@
-"""trainer.skips: the records of the data windows rollbacks skipped, and the file beside the checkpoints."""
+"""rankscope_trainer.skips: the records of the data windows rollbacks skipped, and the file beside the checkpoints."""
 
 from __future__ import annotations
 
 import pytest
-
-from trainer.skips import SkipRecord, merge_skips, read_skip_file, skip_file, write_skip_file
+from rankscope_trainer.skips import SkipRecord, merge_skips, read_skip_file, skip_file, write_skip_file
 
 
 def test_records_round_trip_through_the_file_of_their_lineage(tmp_path) -> None:

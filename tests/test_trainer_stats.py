@@ -1,4 +1,4 @@
-"""trainer.stats: the multimodal statistics land in the contract's metrics, on a real Monitor."""
+"""rankscope_trainer.stats: the multimodal statistics land in the contract's metrics, on a real Monitor."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from rankscope import Monitor
+from rankscope_trainer.config import ModelConfig
+from rankscope_trainer.data import Collate, ShapesDataset, image_transform
+from rankscope_trainer.model import build_model
+from rankscope_trainer.stats import channel_mean_std, record_accuracy, record_batch_stats, record_model_stats
+from rankscope_trainer.tokenizer import WordTokenizer
 
-from exporter import Monitor
 from tests.support import trainer_monitor
-from trainer.config import ModelConfig
-from trainer.data import Collate, ShapesDataset, image_transform
-from trainer.model import build_model
-from trainer.stats import channel_mean_std, record_accuracy, record_batch_stats, record_model_stats
-from trainer.tokenizer import WordTokenizer
 
 LABELS = {"run_id": "test", "rank": "0", "local_rank": "0", "node": "host"}
 

@@ -1,10 +1,9 @@
-"""trainer.tokenizer: a word-level vocabulary built from the captions, stable through a checkpoint."""
+"""rankscope_trainer.tokenizer: a word-level vocabulary built from the captions, stable through a checkpoint."""
 
 from __future__ import annotations
 
 import pytest
-
-from trainer.tokenizer import SPECIAL_TOKENS, WordTokenizer
+from rankscope_trainer.tokenizer import SPECIAL_TOKENS, WordTokenizer
 
 CAPTIONS = ["a small red circle at the top left", "a large blue square at the centre", "a red square"]
 

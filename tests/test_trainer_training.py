@@ -1,7 +1,7 @@
-"""trainer.loop end to end: real torchrun runs on 2 CPU ranks, and the command line on your own data.
+"""rankscope_trainer.loop end to end: real torchrun runs on 2 CPU ranks, and the command line on your own data.
 
 Three launches carry most tests (CPU is scarce):
-- the reference run of trainer/configs/demo.yaml (300 steps; start-up costs more
+- the reference run of trainer/rankscope_trainer/configs/demo.yaml (300 steps; start-up costs more
   than training): it must learn, and its per-step losses are the curve every
   resumed run must reproduce;
 - an interrupted run: rank 1 crashes at step 25 (first attempt only), torchrun
@@ -23,13 +23,13 @@ from types import SimpleNamespace
 import pytest
 import requests
 from PIL import Image
+from rankscope_trainer.checkpoint import checkpoint_files
 
 from tests.support import REPO, sample_value
-from trainer.checkpoint import checkpoint_files
 
 pytestmark = pytest.mark.integration
 
-DEMO = "trainer/configs/demo.yaml"
+DEMO = "trainer/rankscope_trainer/configs/demo.yaml"
 MAX_STEPS = 300  # demo.yaml
 CRASH_AT = 25
 EVERY_10 = "checkpoint.every_steps=10"  # the interrupted runs checkpoint often; checkpoints do not change the curve
@@ -195,8 +195,10 @@ def _manifest(directory: Path, count: int, name: str) -> Path:
     return manifest
 
 
-def _run_cli(tmp_path: Path, *settings: str, config: str = "trainer/configs/test.yaml") -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "trainer", "--config", config]
+def _run_cli(
+    tmp_path: Path, *settings: str, config: str = "trainer/rankscope_trainer/configs/test.yaml"
+) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "rankscope_trainer", "--config", config]
     base = ["metrics.enabled=false", f"checkpoint.dir={tmp_path / 'ck'}", f"run.log_file={tmp_path / 'log.jsonl'}"]
     for setting in [*base, *settings]:
         args += ["--set", setting]

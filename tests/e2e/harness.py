@@ -3,14 +3,14 @@
 A :class:`Stack` runs, for one scenario:
 
 - Alertmanager and Prometheus (the system's binaries) with the repository's own
-  config files as the stack launcher derives them (`trainer.stack`: only
+  config files as the stack launcher derives them (`devstack.stack`: only
   addresses change), then made fast: 1 s scrape and evaluation, 1 s
   `group_wait` / `group_interval`;
-- the rules of `prometheus/generate_rules.py` with short `for`s and windows
+- the rules of `exporter/rankscope/mixin/rules.py` with short `for`s and windows
   (:data:`RULE_SETTINGS`); `retune()` regenerates them with other settings and
   has Prometheus reload them while the run goes on;
 - a pager sink (`tests.support.WebhookSink`) where compose's `pager:9095` was;
-- with ``engine="victoriametrics"``, vmagent, VictoriaMetrics and vmalert (`trainer.vmstack`) in
+- with ``engine="victoriametrics"``, vmagent, VictoriaMetrics and vmalert (`devstack.vmstack`) in
   Prometheus's place: the same scrape jobs, rule files and Alertmanager; the query API is
   VictoriaMetrics', the rules and alerts API vmalert's (both Prometheus-compatible);
 - the reference trainer on 2 ranks under torchrun (`tests.jobs.trainer_job`),
@@ -38,6 +38,10 @@ import psutil
 import requests
 import yaml
 
+from devstack.jobs import TrainerJob
+from devstack.processes import Children
+from devstack.stack import Ports, derive_alertmanager_config, derive_prometheus_config
+from devstack.vmstack import VictoriaPorts, VictoriaStack
 from tests.support import (
     REPO,
     WebhookSink,
@@ -49,10 +53,6 @@ from tests.support import (
     tail,
     unix_time,
 )
-from trainer.jobs import TrainerJob
-from trainer.processes import Children
-from trainer.stack import Ports, derive_alertmanager_config, derive_prometheus_config
-from trainer.vmstack import VictoriaPorts, VictoriaStack
 
 T = TypeVar("T")
 
@@ -249,7 +249,7 @@ class Stack:
     def start_trainer(
         self, settings: Sequence[str] = (), *, max_steps: int, resume: str = "none", max_restarts: int = 0
     ) -> TrainerJob:
-        """torchrun -m trainer (test config, 2 ranks) on this stack's ports, control endpoint on."""
+        """torchrun -m rankscope_trainer (test config, 2 ranks) on this stack's ports, control endpoint on."""
         assert self.trainer is None, "one trainer per stack"
         out = self.workdir / "trainer"
         out.mkdir()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from PIL import Image, ImageStat
+from rankscope.report.sections import SECTIONS
 
-from exporter.report.sections import SECTIONS
 from tests.e2e.harness import UNTIL_STOPPED, Stack
 from tests.support import REPO
 
@@ -84,7 +84,7 @@ def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
     assert st.stop_trainer() == 0
     out = tmp_path_factory.mktemp("report") / "report.html"
     result = subprocess.run(
-        [sys.executable, "-m", "exporter.report", "--prometheus", st.prometheus_url, "--log", str(job.log_file),
+        [sys.executable, "-m", "rankscope.report", "--prometheus", st.prometheus_url, "--log", str(job.log_file),
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

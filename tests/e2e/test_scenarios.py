@@ -3,7 +3,7 @@
 Each scenario starts its own stack (tests/e2e/harness.py): the real Prometheus and
 Alertmanager with the repository's rules and routes (1 s intervals, short `for`s),
 the reference trainer on 2 CPU ranks under torchrun with its control endpoint, and
-a pager sink. A fault switch of the trainer (trainer/faults.py) injects a real
+a pager sink. A fault switch of the trainer (trainer/rankscope_trainer/faults.py) injects a real
 failure; the test follows it through Prometheus, Alertmanager, the pager and the
 trainer's control endpoint, polling each with a deadline.
 
@@ -18,8 +18,11 @@ import time
 
 import psutil
 import pytest
+from rankscope.mixin.dashboards.queries import panel_queries
+from rankscope_trainer.checkpoint import read_checkpoint
 
-from grafana.queries import panel_queries
+from devstack.jobs import TrainerJob
+from devstack.narrator import Narrator
 from tests.e2e.harness import (
     LINGER_SECONDS,
     RATE_INTERVAL,
@@ -31,9 +34,6 @@ from tests.e2e.harness import (
     unix_time,
 )
 from tests.support import sample_value
-from trainer.checkpoint import read_checkpoint
-from trainer.jobs import TrainerJob
-from trainer.narrator import Narrator
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ the generated rule files (the same as Prometheus's, same fast settings) and noti
 Alertmanager, whose route calls the trainer's control endpoint. The fault is the divergence
 scenario's (a learning-rate spike), because its alert reads recorded series two levels deep
 (the smoothed loss and its window minimum): each level is a round trip through VictoriaMetrics,
-which is where vmalert is slower than Prometheus (trainer/vmstack.py says why and which flags
+which is where vmalert is slower than Prometheus (devstack/vmstack.py says why and which flags
 keep it short). The action must reach both ranks within the same bound as through Prometheus.
 
 The fault comes once every recorded series the alert reads exists: VictoriaMetrics 1.79 makes a

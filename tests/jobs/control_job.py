@@ -44,7 +44,7 @@ class _Handler:
         self.stop_reason: str | None = None
 
     def checkpoint(self, reason: str) -> Path:
-        from exporter.control import record_checkpoint
+        from rankscope.control import record_checkpoint
 
         started = time.perf_counter()
         path = self.out / f"ckpt-rank{self.rank}-step{self.step}.json"
@@ -65,9 +65,8 @@ def _main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
     from prometheus_client import generate_latest
-
-    from exporter import Monitor, MonitorConfig, config_from_mapping
-    from exporter.control import ControlChannel, ControlConfig
+    from rankscope import Monitor, MonitorConfig, config_from_mapping
+    from rankscope.control import ControlChannel, ControlConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rankscope import Monitor, MonitorConfig, write_file_sd
 from torch.nn.parallel import DistributedDataParallel
-
-from exporter import Monitor, MonitorConfig, write_file_sd
 
 
 def main() -> None:

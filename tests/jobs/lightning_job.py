@@ -70,11 +70,11 @@ def _main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
     from prometheus_client import generate_latest
+    from rankscope import MonitorConfig, config_from_mapping
+    from rankscope.control import ControlConfig
+    from rankscope.integrations.lightning.callback import RankscopeCallback
 
     from examples.lightning_example import Regression, build_trainer, make_loader
-    from exporter import MonitorConfig, config_from_mapping
-    from exporter.control import ControlConfig
-    from exporter.lightning import RankscopeCallback
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)

@@ -1,0 +1,381 @@
+"""The whole stack without Docker: Prometheus, Alertmanager and a trainer under torchrun.
+
+    python -m devstack.stack                    # `make demo`: 2 CPU ranks of trainer/rankscope_trainer/configs/demo.yaml
+    python -m devstack.stack --nproc 4 --steps 2000 --set faults.straggler.rank=1
+
+It runs the ``prometheus`` and ``prometheus-alertmanager`` binaries of the
+system with the repository's own config files, changing only addresses: the
+compose service names (``trainer:9400``, ``alertmanager:9093``, ...) become
+127.0.0.1 and the ports chosen here, the scrape job lists one target per rank,
+and the webhook's token file is the one this launcher uses. The derived files,
+logs, data, checkpoints and the control token live in the run directory
+(``.stack/``). Ctrl-C (or SIGTERM) stops everything it started, after writing
+the run report (``report.html`` and ``report.png`` there; docs/report.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import re
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rankscope_trainer.config import ConfigError, load_config
+
+from devstack.binaries import find_binaries, free_port_block, port_is_free, start_alertmanager, start_prometheus
+from devstack.narrator import SCENARIOS, Narrator
+from devstack.processes import Child, Children, StackError
+
+__all__ = ["Ports", "derive_alertmanager_config", "derive_prometheus_config", "main"]
+
+REPO = Path(__file__).resolve().parent.parent
+#: The compose stack's addresses, as written in prometheus/prometheus.yml and alertmanager/alertmanager.yml.
+COMPOSE_METRICS_PORT = 9400
+_ADDRESS = re.compile(r"\b(trainer|alertmanager|prometheus|localhost|pager):(\d+)\b")
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where each component listens on 127.0.0.1 (rank r serves metrics on ``metrics + r``)."""
+
+    prometheus: int = 9090
+    alertmanager: int = 9093
+    metrics: int = 9400
+    control: int = 9300
+    #: A local pager webhook standing in for compose's ``pager:9095``; None leaves that address alone.
+    pager: int | None = None
+
+    def local(self, host: str, port: int) -> str | None:
+        """The 127.0.0.1 address standing in for compose's `host:port`, or None if it is not ours."""
+        if host == "trainer" and port == 9300:
+            return f"127.0.0.1:{self.control}"
+        if host == "trainer" and port >= COMPOSE_METRICS_PORT:
+            return f"127.0.0.1:{self.metrics + port - COMPOSE_METRICS_PORT}"
+        if host == "alertmanager" and port == 9093:
+            return f"127.0.0.1:{self.alertmanager}"
+        if host in ("prometheus", "localhost") and port == 9090:
+            return f"127.0.0.1:{self.prometheus}"
+        if host == "pager" and self.pager is not None:
+            return f"127.0.0.1:{self.pager}"
+        return None
+
+
+def _readdress(node: Any, ports: Ports) -> Any:
+    """Replace compose addresses in every string of a parsed YAML tree (URLs included)."""
+    if isinstance(node, dict):
+        return {key: _readdress(value, ports) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_readdress(value, ports) for value in node]
+    if isinstance(node, str):
+        return _ADDRESS.sub(lambda m: ports.local(m.group(1), int(m.group(2))) or m.group(0), node)
+    return node
+
+
+def derive_prometheus_config(config: dict, *, ports: Ports, nproc: int, config_dir: Path) -> dict:
+    """prometheus/prometheus.yml for this machine: local addresses, one target per rank, absolute rule paths."""
+    derived = _readdress(copy.deepcopy(config), ports)
+    derived["rule_files"] = [str((config_dir / pattern).resolve()) for pattern in config.get("rule_files", [])]
+    ranks = [f"127.0.0.1:{ports.metrics + rank}" for rank in range(nproc)]
+    found = False
+    for job in config.get("scrape_configs", []):
+        for index, static in enumerate(job.get("static_configs", [])):
+            if any(target.startswith("trainer:") for target in static.get("targets", [])):
+                (derived_job,) = [j for j in derived["scrape_configs"] if j["job_name"] == job["job_name"]]
+                derived_job["static_configs"][index]["targets"] = ranks
+                found = True
+    if not found:
+        raise StackError(
+            "prometheus/prometheus.yml has no static scrape target on host `trainer` to point at the ranks"
+        )
+    return derived
+
+
+def derive_alertmanager_config(config: dict, *, ports: Ports, token_file: Path) -> dict:
+    """alertmanager/alertmanager.yml for this machine: local addresses, this launcher's token file."""
+    derived = _readdress(copy.deepcopy(config), ports)
+
+    def use_token(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "credentials_file":
+                    node[key] = str(token_file)
+                else:
+                    use_token(value)
+        elif isinstance(node, list):
+            for value in node:
+                use_token(value)
+
+    use_token(derived)
+    return derived
+
+
+def _token_file(run_dir: Path) -> Path:
+    """The control token the trainer requires and Alertmanager sends; made once, readable by the owner only."""
+    path = run_dir / "control-token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as token:
+            token.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+_FLAGS = {"prometheus": "--prometheus-port", "alertmanager": "--alertmanager-port", "control": "--control-port",
+          "metrics": "--metrics-port"}  # fmt: skip
+
+
+def choose_ports(args: argparse.Namespace) -> Ports:
+    """The ports of this stack. One given on the command line must be free (else a one-line error naming
+    its flag); a default that is taken (say, by a Prometheus of your own on 9090) is replaced by a free
+    port, said on stdout: the stack never disturbs a server it did not start."""
+    chosen: dict[str, int] = {}
+    for name, default in (("prometheus", Ports.prometheus), ("alertmanager", Ports.alertmanager),
+                          ("control", Ports.control), ("metrics", Ports.metrics)):  # fmt: skip
+        given = getattr(args, f"{name}_port")
+        port = default if given is None else given
+        width = args.nproc if name == "metrics" else 1
+        if all(port_is_free(port + offset) for offset in range(width)) and port not in chosen.values():
+            chosen[name] = port
+            continue
+        what = f"ports {port}-{port + width - 1}" if width > 1 else f"port {port}"
+        if given is not None:
+            raise StackError(f"{what} ({name}) already in use; choose another with {_FLAGS[name]}")
+        chosen[name] = free_port_block(width)
+        print(f"devstack.stack: {what} ({name}) is taken; using {chosen[name]} instead ({_FLAGS[name]} to choose)")
+    return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], args.pager_port)
+
+
+def _write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(
+        "# Derived by python -m devstack.stack; edit the file in the repository instead.\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
+    return path
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devstack.stack", description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (torchrun --nproc_per_node)")
+    parser.add_argument("--steps", type=int, default=None, help="run.max_steps (default: the config's)")
+    parser.add_argument("--config", type=Path, default=REPO / "trainer" / "rankscope_trainer" / "configs" / "demo.yaml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer setting, as for python -m rankscope_trainer (repeatable)",
+    )
+    parser.add_argument("--run-dir", type=Path, default=REPO / ".stack", help="derived configs, logs, data, token")
+    taken = "; a taken default is replaced by a free port"
+    parser.add_argument("--prometheus-port", type=int, help=f"default {Ports.prometheus}{taken}")
+    parser.add_argument("--alertmanager-port", type=int, help=f"default {Ports.alertmanager}{taken}")
+    parser.add_argument("--metrics-port", type=int, help=f"rank r serves metrics-port + r (default {Ports.metrics})")
+    parser.add_argument("--control-port", type=int, help=f"default {Ports.control}{taken}")
+    parser.add_argument("--pager-port", type=int, default=None, help="a local webhook receiving pages (optional)")
+    parser.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="nonfinite",
+        help="the fault the demo injects partway through, to show an alert turning into an action (default nonfinite)",
+    )
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not args.config.is_file():
+        parser.error(f"--config {args.config} is not a file")
+    fault_step = SCENARIOS[args.scenario].fault_step
+    if fault_step is not None:
+        if args.steps is not None:
+            steps, said = args.steps, f"--steps {args.steps}"
+        else:
+            try:
+                steps = load_config(args.config, args.overrides).run.max_steps
+            except ConfigError as exc:
+                parser.error(str(exc))
+            said = f"the config's run.max_steps {steps}"
+        if steps <= fault_step:
+            parser.error(f"{said} ends before the {args.scenario} scenario's fault at step {fault_step}: give "
+                         "more steps (make demo DEMO_STEPS=...) or --scenario none")  # fmt: skip
+    return args
+
+
+def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: Path) -> list[str]:
+    settings = [
+        "metrics.host=127.0.0.1",
+        f"metrics.base_port={ports.metrics}",
+        "control.endpoint=true",
+        "control.host=127.0.0.1",
+        f"control.port={ports.control}",
+        f"control.token_file={token}",
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        f"run.log_file={run_dir / 'log.jsonl'}",
+        *([f"run.max_steps={args.steps}"] if args.steps else []),
+        *SCENARIOS[args.scenario].settings,
+        *args.overrides,
+    ]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    argv += ["-m", "rankscope_trainer", "--config", str(args.config.resolve())]
+    for setting in settings:
+        argv += ["--set", setting]
+    return argv
+
+
+def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path) -> str:
+    lines = [
+        "rankscope stack is up (Ctrl-C stops everything):",
+        # Debian's Prometheus serves its pages under /classic/; its Alertmanager has no web UI.
+        f"  Prometheus      http://127.0.0.1:{ports.prometheus}/classic/alerts",
+        f"  Alertmanager    http://127.0.0.1:{ports.alertmanager}  (no web UI: amtool "
+        f"--alertmanager.url=http://127.0.0.1:{ports.alertmanager} alert query)",
+        *(f"  rank {r} metrics  http://127.0.0.1:{ports.metrics + r}/metrics" for r in range(nproc)),
+        f"  control         http://127.0.0.1:{ports.control}/v1/status  (bearer token in {token})",
+        "  Grafana         not started here: import grafana/dashboards/*.json (datasource uid rankscope-prometheus)",
+        f"  logs            {run_dir / 'logs'}",
+        f"  run report      {shlex.join(_report_argv(ports, run_dir, for_banner=True))}  (also written on exit)",
+    ]
+    return "\n".join(lines)
+
+
+def _report_argv(ports: Ports, run_dir: Path, for_banner: bool = False) -> list[str]:
+    """The rankscope-report command for this stack's run (the console script, if installed, in the banner)."""
+    script = Path(sys.executable).parent / "rankscope-report"
+    command = [str(script)] if for_banner and script.exists() else [sys.executable, "-m", "rankscope.report"]
+    return [*command, "--prometheus", f"http://127.0.0.1:{ports.prometheus}", "--log", str(run_dir / "log.jsonl"),
+            "--out", str(run_dir / "report.html")]  # fmt: skip
+
+
+def _write_report(ports: Ports, run_dir: Path, timeout: float = 180.0) -> None:
+    """Write the run report while Prometheus still runs; a failure is one line, never the launcher's exit status."""
+    print(f"writing the run report to {run_dir / 'report.html'} ...", flush=True)
+    try:
+        result = subprocess.run(_report_argv(ports, run_dir), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"devstack.stack: the run report was not written: {exc}", flush=True)
+        return
+    output = (result.stdout if result.returncode == 0 else result.stderr).strip().splitlines()
+    print(output[-1] if output else f"rankscope-report exited with {result.returncode}", flush=True)
+
+
+def _write_configs(run_dir: Path, ports: Ports, nproc: int, token: Path) -> tuple[Path, Path]:
+    prom_source = REPO / "prometheus" / "prometheus.yml"
+    am_source = REPO / "alertmanager" / "alertmanager.yml"
+    prometheus = derive_prometheus_config(
+        yaml.safe_load(prom_source.read_text()), ports=ports, nproc=nproc, config_dir=prom_source.parent
+    )
+    alertmanager = derive_alertmanager_config(yaml.safe_load(am_source.read_text()), ports=ports, token_file=token)
+    return _write_yaml(run_dir / "prometheus.yml", prometheus), _write_yaml(run_dir / "alertmanager.yml", alertmanager)
+
+
+def _start_monitoring(children: Children, run_dir: Path, ports: Ports, nproc: int, token: Path) -> list[Child]:
+    """Alertmanager, then Prometheus (which sends to it); returns once both are ready."""
+    prom_config, am_config = _write_configs(run_dir, ports, nproc, token)
+    logs = run_dir / "logs"
+    alertmanager = start_alertmanager(children, am_config, run_dir, ports.alertmanager, logs / "alertmanager.log")
+    prometheus = start_prometheus(children, prom_config, run_dir, ports.prometheus, logs / "prometheus.log")
+    return [prometheus.child, alertmanager.child]
+
+
+def _supervise(stop: threading.Event, monitoring: list[Child], trainer: Child) -> None:
+    """Until asked to stop: fail if Prometheus or Alertmanager dies; say so once when training ends."""
+    trainer_done = False
+    while not stop.wait(0.5):
+        for child in monitoring:
+            if child.popen.poll() is not None:
+                raise StackError(
+                    f"{child.name} exited with code {child.popen.returncode}; log {child.log_path}:\n"
+                    + child.log_tail()
+                )
+        if not trainer_done and trainer.popen.poll() is not None:
+            trainer_done = True
+            print(
+                f"trainer exited with code {trainer.popen.returncode}; Prometheus and Alertmanager keep running "
+                "for you to look around. Ctrl-C stops them.",
+                flush=True,
+            )
+
+
+def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout: float = 60.0) -> None:
+    """Ask the trainer to `stop` through its control endpoint: it checkpoints, then all ranks exit together.
+
+    Signals would also stop it, but without that last checkpoint. If the endpoint does not take the
+    request (not up yet, already stopping), the caller's signals do the job.
+    """
+    if trainer.popen.poll() is not None:
+        return
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{ports.control}/v1/actions",
+        data=json.dumps({"action": "stop", "reason": "devstack.stack shutdown"}).encode(),
+        headers={"Authorization": f"Bearer {token.read_text().strip()}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+    except (urllib.error.URLError, OSError):
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        trainer.popen.wait(timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    find_binaries("prometheus", "prometheus-alertmanager")  # fail before touching anything if one is missing
+    ports = choose_ports(args)
+    run_dir = args.run_dir.resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    token = _token_file(run_dir)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    children = Children()
+    try:
+        monitoring = _start_monitoring(children, run_dir, ports, args.nproc, token)
+        (run_dir / "prometheus-url").write_text(f"http://127.0.0.1:{ports.prometheus}\n")  # for `make report`
+        if stop.is_set():  # Ctrl-C while Prometheus and Alertmanager were starting
+            return 0
+        # The trainer writes to this terminal: its progress lines are the demo's output.
+        trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
+        print(_banner(ports, args.nproc, run_dir, token), flush=True)
+        print(f"  scenario        {args.scenario}: {SCENARIOS[args.scenario].expect}", flush=True)
+        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"http://127.0.0.1:{ports.control}",
+                            token.read_text().strip()).start()  # fmt: skip
+        try:
+            _supervise(stop, monitoring, trainer)
+        finally:
+            narrator.stop()
+        print("stopping the stack: asking the trainer to checkpoint and stop ...", flush=True)
+        _stop_trainer_gracefully(trainer, ports, token)
+        _write_report(ports, run_dir)
+        return 0
+    finally:
+        # Whatever still runs: trainer first, then Prometheus, then Alertmanager.
+        children.stop_all({"trainer": 30.0})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    try:
+        return run(args)
+    except StackError as exc:
+        print(f"devstack.stack: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

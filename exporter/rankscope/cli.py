@@ -1,0 +1,201 @@
+"""rankscope-ctl: post control actions to a running job and read its status.
+
+    rankscope-ctl status
+    rankscope-ctl reduce-lr --factor 0.5 --reason "loss plateau" --wait 60
+    rankscope-ctl pause
+    rankscope-ctl --url http://10.0.0.5:9300 --token-file ~/.rankscope-token stop
+
+The token comes from --token-file, else from the environment variable named by
+--token-env (default RANKSCOPE_CONTROL_TOKEN); the URL from --url, else
+RANKSCOPE_CONTROL_URL, else http://127.0.0.1:9300. Exit status: 0 done
+(accepted, or with --wait applied), 1 refused or failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import requests
+
+from rankscope.control.catalog import CATALOG, Parameter
+from rankscope.control.config import DEFAULT_TOKEN_ENV, ControlConfig, load_token
+
+__all__ = ["main"]
+
+PROG = "rankscope-ctl"
+DEFAULT_URL = "http://127.0.0.1:9300"
+#: command -> the action it posts (the catalog names each action's command).
+_ACTION_COMMANDS = {spec.command: spec for spec in CATALOG}
+_POLL_SECONDS = 0.2
+
+
+class CliError(Exception):
+    """A failure to report in one line (exit status 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: {message} (see {PROG} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parameter_type(parameter: Parameter) -> Callable[[str], float]:
+    """An argparse type checking one catalog parameter, with its bounds in the error."""
+
+    def parse(text: str) -> float:
+        number = parameter.check(text)
+        if number is None:
+            try:
+                float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {parameter.bounds_text()}, got {text}")
+        return number
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Control a running rankscope training job.")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("RANKSCOPE_CONTROL_URL", DEFAULT_URL),
+        help=f"control endpoint (default: $RANKSCOPE_CONTROL_URL or {DEFAULT_URL})",
+    )
+    parser.add_argument("--token-file", default="", help="file holding the bearer token")
+    parser.add_argument(
+        "--token-env",
+        default=DEFAULT_TOKEN_ENV,
+        help=f"environment variable holding the token (default {DEFAULT_TOKEN_ENV})",
+    )
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per HTTP request (default 10)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands.add_parser("status", help="print the run's status as JSON")
+    commands.add_parser("health", help="check that the endpoint answers")
+    for name, spec in _ACTION_COMMANDS.items():
+        sub = commands.add_parser(name, help=spec.help)
+        sub.add_argument("--reason", default="", help="recorded with the outcome (and in checkpoints)")
+        sub.add_argument(
+            "--wait",
+            type=_seconds,
+            metavar="SECONDS",
+            help="wait until every rank applied it (or it was refused); exit 1 unless applied",
+        )
+        for parameter in spec.parameters:
+            sub.add_argument(
+                parameter.option,
+                dest=f"param_{parameter.name}",
+                type=_parameter_type(parameter),
+                help=f"{parameter.help}, {parameter.bounds_text()} (default: the job's)",
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except CliError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    client = _Client(args.url, args.timeout, _token(args))
+    if args.command == "health":
+        client.call("GET", "/healthz")
+        print(f"{client.base}: ok")
+        return 0
+    if args.command == "status":
+        print(json.dumps(client.call("GET", "/v1/status"), indent=2))
+        return 0
+    spec = _ACTION_COMMANDS[args.command]
+    action = spec.name
+    body: dict[str, Any] = {"action": action, "reason": args.reason}
+    params = {p.name: getattr(args, f"param_{p.name}") for p in spec.parameters}
+    params = {name: value for name, value in params.items() if value is not None}
+    if params:
+        body["params"] = params
+    accepted = client.call("POST", "/v1/actions", body)
+    action_id = accepted["id"]
+    print(f"accepted {action} as {action_id}")
+    if args.wait is None:
+        return 0
+    record = _wait_for(client, action_id, args.wait)
+    detail = f" ({record['detail']})" if record.get("detail") else ""
+    print(f"{action} {action_id}: {record['status']} at step {record['step']}{detail}")
+    return 0 if record["status"] in ("applied", "noop") else 1
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    try:
+        return load_token(ControlConfig(token_file=args.token_file, token_env=args.token_env))
+    except ValueError as exc:
+        raise CliError(
+            str(exc).replace("control.token_file", "--token-file").replace("control.token_env", "--token-env")
+        ) from None
+
+
+def _wait_for(client: _Client, action_id: str, seconds: float) -> dict[str, Any]:
+    deadline = time.monotonic() + seconds
+    while True:
+        status = client.call("GET", "/v1/status")
+        for record in status["recent"]:
+            if record["id"] == action_id:
+                return record
+        if time.monotonic() >= deadline:
+            raise CliError(f"{action_id} still pending after {seconds:g}s (the job applies it at a step boundary)")
+        time.sleep(_POLL_SECONDS)
+
+
+class _Client:
+    def __init__(self, base: str, timeout: float, token: str | None) -> None:
+        if not base.startswith(("http://", "https://")):
+            raise CliError(f"--url must start with http:// or https://, got {base!r}")
+        self.base = base.rstrip("/")
+        self._timeout = timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = self.base + path
+        try:
+            response = requests.request(method, url, json=body, headers=self._headers, timeout=self._timeout)
+        except requests.ConnectionError:
+            raise CliError(f"cannot reach {self.base} (is the job running, and is this its control port?)") from None
+        except requests.Timeout:
+            raise CliError(f"{self.base} did not answer within {self._timeout:g}s") from None
+        except requests.RequestException as exc:
+            raise CliError(f"request to {url} failed: {exc}") from None
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if response.status_code >= 400:
+            reason = data.get("error") if isinstance(data, dict) else None
+            raise CliError(f"{method} {path}: {response.status_code} {response.reason}: {reason or 'no reason given'}")
+        if data is None:
+            raise CliError(f"{method} {path}: the answer is not JSON (is {self.base} a rankscope control endpoint?)")
+        return data
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks: one subpackage per framework (hf, lightning)."""

@@ -1,0 +1,1 @@
+"""Grafana dashboards generated with the Grafana Foundation SDK (the `mixin` extra)."""

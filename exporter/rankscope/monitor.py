@@ -1,0 +1,514 @@
+"""The Monitor: one rank's metrics, recorded from a normal training loop.
+
+    monitor = Monitor(MonitorConfig(base_port=9400))   # identity from torchrun's env
+    monitor.start()                                    # serves /metrics on 9400 + local_rank
+    monitor.watch(model, optimizer)                    # LRs, per-module norms, update ratios
+    monitor.attach_comm_hook(ddp_model)                # all-reduce time
+    for batch in monitor.data(loader):                 # data-loader wait
+        with monitor.step(samples=len(batch)) as step:  # step time, counters
+            loss = model(batch).loss
+            loss.backward()
+            norm = monitor.clip_grad_norm_(model.parameters(), 1.0)  # torch's, sharing its norms
+            if step.record(loss=loss, grad_norm=norm):  # False: guard says skip this update
+                optimizer.step()
+            optimizer.zero_grad()
+
+Cost: no host-device sync per step. Device scalars are kept detached and read
+in one batched transfer every `resolve_every_n_steps` steps (CPU tensors are
+read at once, which costs nothing). Resource probes run at scrape time, in
+the HTTP thread. The only optional sync is `skip_nonfinite=True`, which must
+know the answer before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+
+from rankscope._log import LogOnce
+from rankscope.comm import CommTimer, events_seconds
+from rankscope.config import MonitorConfig
+from rankscope.contract import PREFIX, MetricSpec
+from rankscope.deferred import DeferredValues
+from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
+from rankscope.identity import RankIdentity
+from rankscope.instruments import Instruments, observe_all
+from rankscope.modules import ModuleStats
+from rankscope.probes import Probe, ProbeCollector, default_probes
+from rankscope.serving.metrics_endpoint import MetricsServer, serve_metrics
+from rankscope.step_memory import StepPeakMemory
+
+__all__ = ["Monitor", "StepContext"]
+
+logger = logging.getLogger("rankscope")
+
+Number = float | int
+Value = torch.Tensor | Number
+
+
+def _default_device(identity: RankIdentity) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", identity.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class StepContext:
+    """Handed out by `Monitor.step()`; records what the step computed."""
+
+    def __init__(self, monitor: Monitor, index: int) -> None:
+        self._monitor = monitor
+        self.index = index
+        """The global step this step completes (1-based)."""
+        self.skipped = False
+        """True when the non-finite guard told the loop to skip the update."""
+
+    def record(self, loss: Value | None = None, grad_norm: Value | None = None) -> bool:
+        """Record loss and total gradient norm (pass what `clip_grad_norm_` returned:
+        the norm before clipping). Returns whether to apply the optimizer update:
+        False only when `skip_nonfinite` is on and a value was NaN/inf on any rank.
+
+        May also be called after the block closed, when the values arrive later
+        (e.g. from a framework's logs); they then describe that earlier step."""
+        return self._monitor._record_step_values(self, loss, grad_norm)
+
+
+class Monitor:
+    """Per-rank metrics for a training loop. See the module docstring for use."""
+
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        identity: RankIdentity | None = None,
+        *,
+        device: torch.device | str | None = None,
+        registry: CollectorRegistry | None = None,
+        probes: Iterable[Probe] | None = None,
+        extra_metrics: Iterable[MetricSpec] = (),
+    ) -> None:
+        """`extra_metrics`: metrics of the loop's own (`MetricSpec`s, checked against Prometheus's
+        conventions when declared), recorded with `set`/`inc`/`observe` by their full name, exposed
+        beside the contract's with the same identity labels."""
+        self.config = config or MonitorConfig()
+        self.identity = identity or RankIdentity.from_env()
+        self.device = torch.device(device) if device is not None else _default_device(self.identity)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.instruments = Instruments(self.registry, self.identity, extra=extra_metrics)
+        self.global_step = 0
+        self._deferred = DeferredValues()
+        self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
+        self._spikes = LossSpikeDetector(self.config.spike_window, self.config.spike_ratio, self.config.spike_patience)
+        self._comm = CommTimer()
+        self._pending_comm: list[tuple[float, float, list[Any]]] = []
+        self._modules: ModuleStats | None = None
+        self._optimizer: Any | None = None
+        self._iteration_start: float | None = None
+        self._wait_before = 0.0  # data wait reported before the step's block: added to its duration
+        self._wait_inside = 0.0  # data wait reported inside the block: already part of its duration
+        self._in_step = False
+        self._reports_data_wait = False  # a loop that never reports data wait gets no data-wait series
+        self._scaler: Any | None = None
+        self._step_memory = StepPeakMemory(self.device) if self.config.step_peak_memory else None
+        self._server: MetricsServer | None = None
+        self._log = LogOnce()
+        self._metric = {short: self.instruments.child(PREFIX + short) for short in _UNLABELLED}
+        chosen = list(probes) if probes is not None else default_probes(self.config.probes, self.device)
+        # Counters exist at 0 from the first scrape, so increase()/rate() see the first event.
+        for probe in chosen:
+            self.instruments.child(PREFIX + "monitor_errors_total", probe=probe.name)
+        self.registry.register(ProbeCollector(chosen, self.identity.labels(), self.record_error))
+        self._set_run_info()
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> MetricsServer:
+        """Serve /metrics on base_port + local_rank (idempotent)."""
+        if self._server is None:
+            self._set_run_info()
+            port = 0 if self.config.base_port == 0 else self.config.base_port + self.identity.local_rank
+            who = f"rank {self.identity.rank} (local_rank {self.identity.local_rank}): "
+            self._server = serve_metrics(
+                self.registry,
+                self.config.host,
+                port,
+                self.config.port_fallback,
+                who,
+                page_cache_seconds=self.config.page_cache_seconds,
+            )
+            logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
+        return self._server
+
+    @property
+    def port(self) -> int | None:
+        return self._server.port if self._server else None
+
+    def finish(self) -> None:
+        """Mark the run as finished cleanly; call after the last step, and keep serving for at least
+        one scrape interval so Prometheus sees it (the rank-down alert then ignores this rank)."""
+        self._metric["run_finished"].set(1)
+        self.flush()
+
+    def close(self) -> None:
+        """Resolve what is pending, detach hooks and stop serving."""
+        self.flush()
+        if self._modules is not None:
+            self._modules.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # --- wiring to the model -----------------------------------------------------
+
+    def watch(self, model: torch.nn.Module, optimizer: Any | None = None, scaler: Any | None = None) -> None:
+        """Learning rates from `optimizer`; per-module grad norms and update ratios
+        (groups = the model's top-level children) every `module_stats_every_n_steps`.
+
+        `scaler`: the loop's `torch.amp.GradScaler`, if any. Its loss scale is recorded, and a step
+        whose loss is finite but whose (unscaled) gradient norm is not is an overflow that dynamic
+        loss scaling expects (the scaler skips that update and lowers its scale): it is counted in
+        `loss_scale_overflows_total`, not as a non-finite step, and the guard leaves it to the scaler."""
+        self._optimizer = optimizer
+        self._scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
+        if self._scaler is not None:  # exposed from here on, at 0 until the first overflow (for increase())
+            self._metric["loss_scale_overflows_total"] = self.instruments.child(PREFIX + "loss_scale_overflows_total")
+        if self._modules is not None:
+            self._modules.close()
+        self._modules = ModuleStats(
+            model,
+            optimizer,
+            self.config.module_stats_every_n_steps,
+            self.config.max_module_groups,
+            self._module_sink,
+            on_error=lambda exc: self._fail("module_stats", exc),
+        )
+
+    def attach_comm_hook(self, ddp_model: Any) -> None:
+        """Time the gradient all-reduce of a DistributedDataParallel model.
+
+        Registers a comm hook that runs DDP's default all-reduce unchanged. Call
+        before the first backward (DDP allows one comm hook per model).
+        """
+        ddp_model.register_comm_hook(None, self._comm.hook)
+        self._comm.attached = True
+
+    # --- the loop ----------------------------------------------------------------
+
+    def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Iterate `iterable`, timing how long each `next()` blocks."""
+        iterator = iter(iterable)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self._iteration_start = started
+            self.record_data_wait(time.perf_counter() - started)
+            yield item
+
+    def record_data_wait(self, seconds: float) -> None:
+        """For loops that fetch batches themselves: time blocked on a batch.
+
+        Before `step()`, the wait is added to that step's duration; inside the step's block (a
+        prefetch of the next batch, the micro-batches of gradient accumulation) it is already part
+        of the block's wall time and is not added again. Either way it is this step's data wait
+        (summed over calls), which compute time excludes."""
+        self._reports_data_wait = True
+        if self._in_step:
+            self._wait_inside += seconds
+        else:
+            self._wait_before += seconds
+
+    @contextmanager
+    def step(self, samples: int = 0, tokens: int = 0, max_seq_len: Value | None = None) -> Iterator[StepContext]:
+        """One training step. The step's duration runs from the start of this
+        iteration's data fetch (if `data()` is used) to the end of the block.
+
+        `max_seq_len`: the longest sequence the step computes on, in tokens (the padded length where
+        the loop pads each batch to its longest: that is what activation memory follows), as a host
+        number or a tensor (resolved in the batched transfer, no sync); it becomes
+        `rankscope_sequence_length_max_tokens`. With `step_peak_memory` on, on CUDA, the step's peak
+        allocated memory is recorded too."""
+        # With data(), the iteration began when the fetch began; otherwise the wait
+        # reported through record_data_wait() is added to the block's duration.
+        fetched_by_data = self._iteration_start is not None
+        started = self._iteration_start if fetched_by_data else time.perf_counter()
+        context = StepContext(self, self.global_step + 1)
+        if self._modules is not None:
+            self._modules.begin_step(context.index)
+        self._step_memory_call(lambda memory: memory.begin())
+        self._in_step = True
+        try:
+            yield context
+        finally:
+            self._in_step = False
+        # Only a block that completed counts as a step; an exception propagates untouched.
+        seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
+        self._finish_step(context, seconds, samples, tokens, max_seq_len)
+
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_`, bit for bit, sharing its work with the module grad norms.
+
+        Same arguments and result: the total norm and the clipped gradients are exactly torch's. On
+        steps where module grad norms are due and `parameters` are the watched model's, each
+        gradient's norm is computed once for both; on other due steps the module norms are taken
+        before torch clips, so they are pre-clip either way."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if self._modules is not None and norm_type == 2.0 and not error_if_nonfinite:
+            try:
+                total = self._modules.clip_grad_norm_(params, max_norm, foreach)
+            except Exception as exc:  # monitoring must never break the step: clip the plain way
+                self._fail("module_stats", exc)
+                total = None
+            if total is not None:
+                return total
+        if self._modules is not None:
+            try:
+                self._modules.record_grad_norms()  # before clipping; nothing if not due
+            except Exception as exc:
+                self._fail("module_stats", exc)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def set_step(self, step: int) -> None:
+        """Continue counting from `step` (after resuming from a checkpoint)."""
+        self.global_step = step
+        self._metric["global_step"].set(step)
+
+    def record_loss(self, value: Value, split: str = "val") -> None:
+        """Record a loss outside the training step (e.g. validation)."""
+        self.set("loss", value, split=split)
+
+    def set(self, name: str, value: Value, **labels: str) -> None:
+        """Set a gauge (a contract metric by short or full name, or an extra metric by its name); tensors are
+        resolved lazily."""
+        child = self.instruments.child(self._full(name), **labels)
+        self._deferred.add(value, lambda values: child.set(values[-1]))
+
+    def set_each(
+        self, name: str, values: torch.Tensor | Sequence[Number], label: str, keys: Sequence[str], **labels: str
+    ) -> None:
+        """Set one gauge child per key: the child with `label=keys[i]` gets `values[i]`.
+
+        A tensor is resolved as one value (one entry in the batched transfer), cheaper than a
+        `set()` per element."""
+        if isinstance(values, torch.Tensor) and values.dim() != 1:
+            raise ValueError(f"set_each({name!r}) takes one value per key, got a tensor of shape {tuple(values.shape)}")
+        cache_key = (name, label, tuple(keys), tuple(labels.items()))
+        children = self._children_of.get(cache_key)
+        if children is None:
+            children = [self.instruments.child(self._full(name), **labels, **{label: key}) for key in keys]
+            self._children_of[cache_key] = children
+        if len(values) != len(children):
+            raise ValueError(f"set_each({name!r}): {len(values)} values for {len(keys)} {label} keys")
+
+        def _set(resolved: list[float]) -> None:
+            for child, number in zip(children, resolved, strict=True):
+                child.set(number)
+
+        if isinstance(values, torch.Tensor):
+            self._deferred.add(values, _set)
+        else:
+            _set([float(v) for v in values])
+
+    def inc(self, name: str, amount: Value = 1, **labels: str) -> None:
+        """Increase a counter from the contract."""
+        child = self.instruments.child(self._full(name), **labels)
+        self._deferred.add(amount, lambda values: child.inc(sum(values)))
+
+    def observe(self, name: str, value: Value, **labels: str) -> None:
+        """Observe into a histogram; a tensor contributes every element."""
+        child = self.instruments.child(self._full(name), **labels)
+        self._deferred.add(value, lambda values: observe_all(child, values))
+
+    def flush(self) -> None:
+        """Turn pending device values into numbers now (one transfer per device)."""
+        self._deferred.flush()
+        self._resolve_comm_events()
+
+    def _full(self, name: str) -> str:
+        """A contract metric's full name from its short one; an extra metric's name as it is."""
+        return name if name.startswith(PREFIX) or name in self.instruments else PREFIX + name
+
+    def record_error(self, probe: str) -> None:
+        """Count a failure inside monitoring (thread-safe)."""
+        self.instruments.child(PREFIX + "monitor_errors_total", probe=probe).inc()
+
+    # --- internals -----------------------------------------------------------------
+
+    def _record_step_values(self, context: StepContext, loss: Value | None, grad_norm: Value | None) -> bool:
+        try:
+            if self._modules is not None:
+                self._modules.record_grad_norms()
+            if loss is not None:
+                self._deferred.add(loss, self._on_loss)
+            if grad_norm is not None:
+                self.set("grad_norm", grad_norm)
+        except Exception as exc:  # monitoring must never break the step
+            self._fail("record", exc)
+        if self._scaler is not None:
+            # Dynamic loss scaling: an overflowing gradient with a finite loss is the scaler's business
+            # (it skips the update and backs off); only a non-finite loss is a non-finite step.
+            flag = nonfinite_flag(loss)
+            self._deferred.add(overflow_flag(loss, grad_norm), self._on_overflow)
+        else:
+            flag = nonfinite_flag(loss, grad_norm)
+        if not self.config.skip_nonfinite:
+            self._deferred.add(flag, self._on_nonfinite)
+            return True
+        # The one deliberate sync: the loop needs the answer before optimizer.step().
+        skip = agree_on_skip(flag)
+        self._on_nonfinite([float(skip)])
+        if skip:
+            context.skipped = True
+            self._metric["skipped_steps_total"].inc()
+        return not skip
+
+    def _finish_step(
+        self, context: StepContext, seconds: float, samples: int, tokens: int, max_seq_len: Value | None
+    ) -> None:
+        try:
+            data_wait = self._wait_before + self._wait_inside
+            self._wait_before = self._wait_inside = 0.0
+            self._iteration_start = None
+            self.global_step = context.index
+            m = self._metric
+            m["step_duration_seconds"].observe(seconds)
+            if self._reports_data_wait:
+                m["data_wait_seconds"].observe(data_wait)
+            m["steps_total"].inc()
+            if samples:
+                m["samples_total"].inc(samples)
+            if tokens:
+                m["tokens_total"].inc(tokens)
+            if max_seq_len is not None:
+                self.set("sequence_length_max_tokens", max_seq_len)
+            peak = self._step_memory_call(lambda memory: memory.end())
+            if peak is not None:
+                self.instruments.child(PREFIX + "step_peak_device_memory_bytes").set(peak)
+            m["global_step"].set(context.index)
+            m["last_step_timestamp_seconds"].set(time.time())
+            comm_seconds, events = self._comm.take_step()
+            if events:
+                self._pending_comm.append((seconds, data_wait, events))
+            else:
+                self._observe_split(seconds, data_wait, comm_seconds)
+            self._record_learning_rates()
+            due = context.index % self.config.resolve_every_n_steps == 0
+            if self._scaler is not None:
+                scale = _scale_of(self._scaler)  # after the loop's scaler.update()
+                if due or not isinstance(scale, torch.Tensor) or scale.is_cpu:  # a device read waits for a flush
+                    self.set("loss_scale", scale)
+            if self._deferred and due:
+                self.flush()
+        except Exception as exc:
+            self._fail("step", exc)
+
+    def _step_memory_call(self, call: Any) -> Any:
+        """`call(StepPeakMemory)` if step peaks are measured; a failure is counted and switches them off."""
+        if self._step_memory is None:
+            return None
+        try:
+            return call(self._step_memory)
+        except Exception as exc:  # monitoring must never break the step
+            self._step_memory = None
+            self._fail("step_memory", exc)
+            return None
+
+    def _observe_split(self, step_seconds: float, data_wait: float, comm_seconds: float) -> None:
+        if self._comm.attached:
+            self._metric["comm_duration_seconds"].observe(comm_seconds)
+        self._metric["compute_duration_seconds"].observe(max(0.0, step_seconds - data_wait - comm_seconds))
+
+    def _resolve_comm_events(self) -> None:
+        while self._pending_comm:
+            step_seconds, data_wait, events = self._pending_comm[0]
+            comm_seconds = events_seconds(events)
+            if comm_seconds is None:
+                return  # not complete yet; the next flush gets it, in order
+            self._pending_comm.pop(0)
+            self._observe_split(step_seconds, data_wait, comm_seconds)
+
+    def _record_learning_rates(self) -> None:
+        if self._optimizer is None:
+            return
+        for index, group in enumerate(self._optimizer.param_groups):
+            self.set("learning_rate", group["lr"], param_group=str(index))
+
+    def _on_loss(self, values: list[float]) -> None:
+        loss = values[-1]
+        self.instruments.child(PREFIX + "loss", split="train").set(loss)
+        if self._spikes.update(loss):
+            self._metric["loss_spikes_total"].inc()
+
+    def _on_nonfinite(self, values: list[float]) -> None:
+        if values and values[-1]:
+            self._metric["nonfinite_steps_total"].inc()
+
+    def _on_overflow(self, values: list[float]) -> None:
+        if values and values[-1]:
+            self._metric["loss_scale_overflows_total"].inc()
+
+    def _module_sink(self, metric: str, groups: list[str], values: torch.Tensor) -> None:
+        self.set_each(metric, values, "module", groups)
+
+    def _fail(self, probe: str, exc: BaseException) -> None:
+        self.record_error(probe)
+        self._log.warning(probe, "rankscope: %s failed (training goes on; counted, logged once): %r", probe, exc)
+
+    def _set_run_info(self) -> None:
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        self.instruments.child(PREFIX + "run_info").info(
+            {
+                "world_size": str(self.identity.world_size),
+                "node_rank": str(self.identity.node_rank),
+                "torch_version": torch.__version__,
+                "cuda_version": torch.version.cuda or "none",
+                "backend": str(backend),
+                "model": self.config.model_name or "unknown",
+                "config_hash": self.config.config_hash or "none",
+            }
+        )
+
+
+# Metrics without extra labels, bound once so the hot path is a dict lookup.
+_UNLABELLED = (
+    "step_duration_seconds",
+    "data_wait_seconds",
+    "comm_duration_seconds",
+    "compute_duration_seconds",
+    "steps_total",
+    "samples_total",
+    "tokens_total",
+    "global_step",
+    "last_step_timestamp_seconds",
+    "run_finished",
+    "nonfinite_steps_total",
+    "skipped_steps_total",
+    "loss_spikes_total",
+)
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _scale_of(scaler: Any) -> Value:
+    """The scaler's current loss scale without a host-device sync where torch allows it (the
+    scale tensor joins the batched transfer); `get_scale()` itself reads it to the host."""
+    scale_async = getattr(scaler, "_get_scale_async", None)
+    scale = scale_async() if callable(scale_async) else None
+    return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())

@@ -1,0 +1,916 @@
+"""Every figure of the report, drawn with matplotlib's object API on the Agg canvas (no pyplot, no display).
+
+Conventions, the same in every figure:
+
+- x is time since the run's first sample (`h:mm:ss`), so an alert, an action and
+  a loss spike line up across sections; firing alerts are shaded red, control
+  actions are vertical lines in their action's colour;
+- y is in the metric's base unit, labelled readably: seconds as ms/s/min, bytes in
+  binary units (KiB, MiB, GiB), ratios as %, rates with k/M prefixes;
+- each rank has one colour everywhere (:func:`rank_colors`); with more than
+  :data:`LEGEND_RANKS` ranks lines lose their legend and the small multiples and
+  heat map carry the per-rank reading;
+- figures are 12.4 inches wide at 100 dpi: 1240 px, readable in a 1280 px window.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import textwrap
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import matplotlib
+import numpy as np
+from matplotlib import colors as mcolors
+from matplotlib import ticker
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from rankscope.report.analysis import Straggler, ratio_to_median
+from rankscope.report.attention import AttentionSnapshot
+from rankscope.report.incidents import Incidents
+from rankscope.report.series import Series, times_union
+
+__all__ = [
+    "DPI",
+    "LEGEND_RANKS",
+    "WIDTH",
+    "Mark",
+    "ResourceInputs",
+    "TimeAxis",
+    "TrainingInputs",
+    "attention_figure",
+    "bytes_axis",
+    "clock",
+    "correlation_figure",
+    "incidents_figure",
+    "loss_rate_figure",
+    "marks_from",
+    "memory_vs_length_figure",
+    "png_bytes",
+    "rank_colors",
+    "rank_heatmap_figure",
+    "rank_small_multiples_figure",
+    "rank_timings_figure",
+    "resources_figure",
+    "seconds_axis",
+    "summary_figure",
+    "training_figure",
+]
+
+WIDTH = 12.4
+DPI = 100
+#: Up to this many ranks, per-rank lines get a legend.
+LEGEND_RANKS = 16
+ACTION_COLORS = {
+    "reduce_lr": "#7b2cbf",
+    "checkpoint": "#2a9d8f",
+    "stop": "#222222",
+    "pause": "#8d99ae",
+    "resume": "#8d99ae",
+    "rollback": "#e76f51",
+    "reduce_micro_batch": "#bc6c25",
+}
+#: Actions named on the loss panel too: a rollback is where the curve jumps back to an earlier state.
+LOSS_PANEL_LABELS = frozenset({"rollback"})
+FIRING = "#d62828"
+PENDING = "#f4a261"
+_STYLE = {
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.titleweight": "bold",
+    "axes.labelsize": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.color": "#e4e4e4",
+    "grid.linewidth": 0.6,
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "lines.linewidth": 1.3,
+}
+
+
+def _figure(height: float, width: float = WIDTH) -> Figure:
+    with matplotlib.rc_context(_STYLE):
+        figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _styled(build: Callable[..., Figure]) -> Callable[..., Figure]:
+    """Run a figure builder under the report's style (rc settings are read when artists are made)."""
+
+    def wrapper(*args: object, **kwargs: object) -> Figure:
+        with matplotlib.rc_context(_STYLE):
+            return build(*args, **kwargs)
+
+    wrapper.__name__ = build.__name__
+    wrapper.__doc__ = build.__doc__
+    return wrapper
+
+
+def png_bytes(figure: Figure) -> bytes:
+    """The figure as PNG (Agg), at the report's resolution."""
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()
+
+
+# --- colours -------------------------------------------------------------------------------------
+
+
+def rank_colors(ranks: Iterable[int]) -> dict[int, tuple[float, float, float, float]]:
+    """One colour per rank, the same in every figure: tab10/tab20 for small runs, a sweep of hues beyond."""
+    ranks = sorted(set(ranks))
+    world = max(ranks, default=0) + 1
+    if world <= 10:
+        palette = matplotlib.colormaps["tab10"]
+        return {r: palette(r) for r in ranks}
+    if world <= 20:
+        palette = matplotlib.colormaps["tab20"]
+        return {r: palette(r) for r in ranks}
+    palette = matplotlib.colormaps["turbo"]
+    return {r: palette(0.05 + 0.9 * r / (world - 1)) for r in ranks}
+
+
+# --- axes: time and units ---------------------------------------------------------------------------
+
+_NICE_SECONDS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def clock(seconds: float, with_hours: bool = False) -> str:
+    """`m:ss`, or `h:mm:ss` from an hour on (or always, `with_hours`)."""
+    seconds = int(round(seconds))
+    sign = "-" if seconds < 0 else ""
+    hours, rest = divmod(abs(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{sign}{hours}:{minutes:02d}:{secs:02d}" if hours or with_hours else f"{sign}{minutes}:{secs:02d}"
+
+
+@dataclass(frozen=True)
+class TimeAxis:
+    """The shared x axis: seconds since `start`, up to `end`."""
+
+    start: float
+    end: float
+
+    @property
+    def span(self) -> float:
+        return max(self.end - self.start, 1.0)
+
+    def x(self, t: np.ndarray | float) -> np.ndarray | float:
+        return np.asarray(t, dtype=float) - self.start if isinstance(t, np.ndarray) else float(t) - self.start
+
+    def apply(self, axis: Axes, label: bool = True) -> None:
+        axis.set_xlim(0, self.span)
+        target = self.span / 7
+        tick = next((n for n in _NICE_SECONDS if n >= target), math.ceil(target / 86400) * 86400)
+        axis.xaxis.set_major_locator(ticker.MultipleLocator(tick))
+        long = self.span >= 3600
+        axis.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: clock(v, with_hours=long)))
+        if label:
+            axis.set_xlabel("time since the run's first sample (h:mm:ss)" if self.span >= 3600 else
+                            "time since the run's first sample (m:ss)")  # fmt: skip
+
+
+class _ScaledLocator(ticker.MaxNLocator):
+    """Nice ticks in a display unit (e.g. GiB), placed in the base unit (bytes)."""
+
+    def __init__(self, scale: float, nbins: int | str = "auto") -> None:
+        super().__init__(nbins=nbins, steps=[1, 2, 2.5, 5, 10])
+        self.scale = scale
+
+    def tick_values(self, vmin: float, vmax: float) -> np.ndarray:
+        return np.asarray(super().tick_values(vmin / self.scale, vmax / self.scale)) * self.scale
+
+
+def _unit(values: Sequence[float], units: Sequence[tuple[float, str]]) -> tuple[float, str]:
+    top = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+    chosen = units[0]
+    for scale, name in units:
+        if top >= scale:
+            chosen = (scale, name)
+    return chosen
+
+
+def _values(series: Iterable[Series]) -> list[float]:
+    return [float(v) for s in series for v in s.v if math.isfinite(v)]
+
+
+def bytes_axis(axis: Axes, values: Sequence[float], label: str = "bytes") -> str:
+    """Binary units on y for byte values; returns the unit chosen."""
+    scale, unit = _unit(values, [(1, "B"), (1024, "KiB"), (1024**2, "MiB"), (1024**3, "GiB"), (1024**4, "TiB")])
+    axis.yaxis.set_major_locator(_ScaledLocator(scale))
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
+    axis.set_ylabel(label)
+    return unit
+
+
+def seconds_axis(axis: Axes, values: Sequence[float], label: str = "seconds") -> str:
+    """ms / s / min on y for durations in seconds; returns the unit chosen."""
+    scale, unit = _unit(values, [(1e-6, "µs"), (1e-3, "ms"), (1.0, "s"), (60.0, "min")])
+    axis.yaxis.set_major_locator(_ScaledLocator(scale))
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
+    axis.set_ylabel(label)
+    return unit
+
+
+def _ratio_axis(axis: Axes, label: str) -> None:
+    axis.yaxis.set_major_formatter(ticker.PercentFormatter(1.0, decimals=0))
+    axis.set_ylabel(label)
+
+
+def _rate_axis(axis: Axes, unit: str, label: str) -> None:
+    axis.yaxis.set_major_formatter(ticker.EngFormatter(unit=unit, sep=" "))
+    axis.set_ylabel(label)
+
+
+def _log_if_wide(axis: Axes, values: Sequence[float], ratio: float = 30.0) -> None:
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if positive and max(positive) / min(positive) > ratio:
+        axis.set_yscale("log")
+
+
+# --- marks: alerts and actions on every time axis ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A firing alert (a span) or a control action (a line), drawn on time axes."""
+
+    t: float
+    until: float | None
+    label: str
+    color: str
+    kind: str  # "alert" or "action"
+
+
+def marks_from(incidents: Incidents | None, interval: float = 0.0) -> list[Mark]:
+    """Spans for firing alerts, lines for applied actions."""
+    if incidents is None:
+        return []
+    marks = [
+        Mark(e.firing_at, e.ended_at + interval, e.alertname, FIRING, "alert")
+        for e in incidents.episodes
+        if e.firing_at is not None
+    ]
+    marks += [
+        Mark(a.at, None, a.action, ACTION_COLORS.get(a.action, "#555555"), "action")
+        for a in incidents.actions
+        if a.result == "applied"
+    ]
+    return marks
+
+
+def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: bool | frozenset[str] = False) -> None:
+    """Alerts as bars along the top, actions as dashed lines; `labels`: name every action line, or those in the set."""
+    for mark in marks:
+        if mark.kind == "alert":
+            # A bar along the top edge, not a full-height shade: several alerts must not hide the lines.
+            axis.axvspan(axis_x.x(mark.t), axis_x.x(mark.until or mark.t), ymin=0.97, ymax=1.0, color=mark.color,
+                         alpha=0.75, lw=0)  # fmt: skip
+        else:
+            axis.axvline(axis_x.x(mark.t), color=mark.color, lw=1.0, ls="--", alpha=0.85)
+            if labels is True or (labels and mark.label in labels):
+                axis.annotate(mark.label, (axis_x.x(mark.t), 1.0), xycoords=("data", "axes fraction"),
+                              xytext=(3, -3), textcoords="offset points", va="top", fontsize=7.5,
+                              color=mark.color, rotation=90)  # fmt: skip
+
+
+def _empty(axis: Axes, title: str, why: str) -> None:
+    axis.set_title(title, loc="left")
+    axis.text(0.5, 0.5, why, transform=axis.transAxes, ha="center", va="center", color="#777777", wrap=True)
+    axis.set_xticks([])
+    axis.set_yticks([])
+    axis.grid(False)
+
+
+def _per_rank_lines(axis: Axes, axis_x: TimeAxis, series: Sequence[Series], colors: dict, lw: float = 1.1) -> None:
+    for s in series:
+        rank = s.rank
+        label = f"rank {rank}" if rank is not None else (s.name or None)
+        axis.plot(axis_x.x(s.t), s.v, color=colors.get(rank, "#333333"), lw=lw, label=label)
+    if 1 < len(series) <= LEGEND_RANKS:
+        axis.legend(loc="best", ncols=2 if len(series) > 4 else 1)
+
+
+# --- training -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingInputs:
+    """What the training figure draws; any part may be missing."""
+
+    train_loss: Series | None = None
+    """Prometheus: mean over ranks of the training loss."""
+    val_loss: Series | None = None
+    per_step_loss: Series | None = None
+    """The run log's loss of every step (rank 0), times spread between its flushes."""
+    val_points: Series | None = None
+    """The run log's validations (loss)."""
+    accuracy: list[Series] = field(default_factory=list)
+    learning_rate: list[Series] = field(default_factory=list)
+    per_step_lr: Series | None = None
+    """The run log's learning rate of every step (param group 0): where a reduction took effect, exactly."""
+    grad_norm: Series | None = None
+
+
+def _plot_loss(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
+    drew = False
+    if inputs.per_step_loss is not None and len(inputs.per_step_loss):
+        s = inputs.per_step_loss
+        axis.plot(axis_x.x(s.t), s.v, color="#9ecae1", lw=0.7, label="train, every step (run log, rank 0)")
+        drew = True
+    if inputs.train_loss is not None and len(inputs.train_loss):
+        s = inputs.train_loss
+        axis.plot(axis_x.x(s.t), s.v, color="#1f77b4", label="train (mean over ranks)")
+        drew = True
+    val = inputs.val_points if inputs.val_points is not None and len(inputs.val_points) else inputs.val_loss
+    if val is not None and len(val):
+        axis.plot(axis_x.x(val.t), val.v, color="#ff7f0e", marker="o", ms=3.5, label="validation")
+        drew = True
+    if not drew:
+        _empty(axis, "Loss", "no loss series in this run")
+        return
+    axis.set_title("Loss", loc="left")
+    axis.set_ylabel("loss")
+    axis.legend(loc="upper right")
+    _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
+
+
+def _plot_learning_rate(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
+    groups = sorted(inputs.learning_rate, key=lambda s: s.labels.get("param_group", ""))
+    logged = inputs.per_step_lr if inputs.per_step_lr is not None and len(inputs.per_step_lr) else None
+    if not groups and logged is None:
+        _empty(axis, "Learning rate", "no rankscope_learning_rate series")
+        return
+    for i, s in enumerate(groups):
+        axis.plot(axis_x.x(s.t), s.v, color=matplotlib.colormaps["Dark2"](i % 8),
+                  label=f"param group {s.labels.get('param_group', '?')}")  # fmt: skip
+    if logged is not None:
+        axis.plot(axis_x.x(logged.t), logged.v, color="#222222", lw=0.8, ls=":", label="group 0, every step (run log)")
+    _log_if_wide(axis, _values([*groups, *([logged] if logged is not None else [])]))
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
+    axis.set_ylabel("learning rate")
+    axis.set_title("Learning rate per param group, control actions marked", loc="left")
+    axis.legend(loc="upper right")
+    _draw_marks(axis, axis_x, marks, labels=True)
+
+
+@_styled
+def training_figure(inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark] = ()) -> Figure:
+    """Loss (train and validation), contrastive accuracy, learning rate per group (actions marked), grad norm."""
+    figure = _figure(7.2)
+    (loss, accuracy), (lr, norm) = figure.subplots(2, 2, sharex=True)
+
+    _plot_loss(loss, inputs, axis_x, marks)
+
+    if inputs.accuracy:
+        styles = {"train": "-", "val": "--"}
+        palette = {"image_to_text": "#2ca02c", "text_to_image": "#9467bd"}
+        for s in inputs.accuracy:
+            split, direction = s.labels.get("split", "?"), s.labels.get("direction", "?")
+            accuracy.plot(axis_x.x(s.t), s.v, ls=styles.get(split, ":"), color=palette.get(direction, "#555555"),
+                          label=f"{split} {direction.replace('_', ' ')}")  # fmt: skip
+        accuracy.set_ylim(0, 1.02)
+        _ratio_axis(accuracy, "in-batch retrieval accuracy")
+        accuracy.set_title("Contrastive accuracy", loc="left")
+        accuracy.legend(loc="lower right", ncols=2)
+        _draw_marks(accuracy, axis_x, marks)
+    else:
+        _empty(
+            accuracy, "Contrastive accuracy", "no rankscope_contrastive_accuracy_ratio series (not a contrastive model)"
+        )
+
+    _plot_learning_rate(lr, inputs, axis_x, marks)
+
+    if inputs.grad_norm is not None and len(inputs.grad_norm):
+        s = inputs.grad_norm
+        norm.plot(axis_x.x(s.t), s.v, color="#8c564b")
+        _log_if_wide(norm, list(s.v))
+        norm.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
+        norm.set_ylabel("L2 norm before clipping")
+        norm.set_title("Gradient norm", loc="left")
+        _draw_marks(norm, axis_x, marks)
+    else:
+        _empty(norm, "Gradient norm", "no rankscope_grad_norm series")
+    for axis in (lr, norm):
+        axis_x.apply(axis)
+    return figure
+
+
+# --- ranks --------------------------------------------------------------------------------------------
+
+TIMINGS = (
+    ("step", "Step time per rank (the same on every rank under DDP)"),
+    ("compute", "Compute time per rank (step - comm - data wait): the straggler stands out"),
+    ("comm", "All-reduce time per rank (fast ranks wait here for slow ones)"),
+    ("data wait", "Data-loader wait per rank"),
+)
+
+
+@_styled
+def rank_timings_figure(
+    timings: dict[str, Sequence[Series]], axis_x: TimeAxis, straggler: Straggler | None = None,
+    marks: Sequence[Mark] = (),
+) -> Figure:  # fmt: skip
+    """Mean step, compute, comm and data-wait time per rank over time (one colour per rank)."""
+    figure = _figure(7.2)
+    axes = figure.subplots(2, 2, sharex=True).ravel()
+    ranks = [s.rank for group in timings.values() for s in group if s.rank is not None]
+    colors = rank_colors(ranks)
+    for axis, (key, title) in zip(axes, TIMINGS, strict=True):
+        series = list(timings.get(key, []))
+        if not series:
+            _empty(axis, title, f"no {key} series")
+            continue
+        _per_rank_lines(axis, axis_x, series, colors)
+        if key == "compute" and straggler is not None and straggler.stands_out:
+            slow = [s for s in series if s.rank == straggler.rank]
+            for s in slow:
+                axis.plot(axis_x.x(s.t), s.v, color=colors.get(s.rank), lw=2.6)
+            title = f"{title.split(':')[0]}: rank {straggler.rank} is the straggler"
+        axis.set_title(title, loc="left", fontsize=9.5)
+        seconds_axis(axis, _values(series), "mean over the rate window")
+        axis.set_ylim(bottom=0)
+        _draw_marks(axis, axis_x, marks)
+    for axis in axes[2:]:
+        axis_x.apply(axis)
+    if len(set(ranks)) > LEGEND_RANKS:
+        _rank_colorbar(figure, axes, colors)
+    return figure
+
+
+def _rank_colorbar(figure: Figure, axes: object, colors: dict) -> None:
+    ranks = sorted(colors)
+    cmap = mcolors.ListedColormap([colors[r] for r in ranks])
+    norm = mcolors.BoundaryNorm(np.arange(len(ranks) + 1) - 0.5, len(ranks))
+    bar = figure.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, shrink=0.6, pad=0.01)
+    bar.set_label("rank (colour)")
+    bar.set_ticks(np.linspace(0, len(ranks) - 1, min(len(ranks), 9)).round())
+
+
+def _grid(count: int) -> tuple[int, int]:
+    columns = min(count, 8 if count <= 64 else 16)
+    return math.ceil(count / columns), columns
+
+
+@_styled
+def rank_small_multiples_figure(
+    compute: Sequence[Series], axis_x: TimeAxis, straggler: Straggler | None = None
+) -> Figure:
+    """One small panel per rank: its compute time (in its colour) and the median over ranks (grey), shared axes.
+
+    Reads at any number of ranks: panels shrink, the shared y keeps them comparable, and the
+    straggler's panel is framed in red.
+    """
+    ranked = [s for s in compute if s.rank is not None and len(s)]
+    if not ranked:
+        figure = _figure(1.6)
+        _empty(figure.subplots(), "Compute time, rank by rank", "no per-rank compute series")
+        return figure
+    rows, columns = _grid(len(ranked))
+    row_height = 1.05 if len(ranked) <= 64 else 0.62
+    figure = _figure(0.6 + rows * row_height)
+    axes = figure.subplots(rows, columns, sharex=True, sharey=True, squeeze=False)
+    colors = rank_colors([s.rank for s in ranked])  # type: ignore[misc]
+    times = times_union(ranked)
+    values = np.vstack([s.at(times) for s in ranked])
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            median = np.nanmedian(values, axis=0)
+    slow = straggler.rank if straggler is not None and straggler.stands_out else None
+    small = len(ranked) > 64
+    for index, axis in enumerate(axes.ravel()):
+        if index >= len(ranked):
+            axis.set_visible(False)
+            continue
+        s = ranked[index]
+        axis.plot(axis_x.x(times), median, color="#aaaaaa", lw=0.8)
+        axis.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=0.9 if small else 1.1)  # type: ignore[index]
+        axis.grid(False)
+        axis.set_title(f"rank {s.rank}", fontsize=6.5 if small else 8, loc="left", pad=1.5,
+                       color=FIRING if s.rank == slow else "#333333",
+                       fontweight="bold" if s.rank == slow else "normal")  # fmt: skip
+        if s.rank == slow:
+            for spine in axis.spines.values():
+                spine.set_visible(True)
+                spine.set_color(FIRING)
+                spine.set_linewidth(2)
+        axis.tick_params(labelsize=6 if small else 7, length=2)
+    seconds_axis(axes[0][0], _values(ranked), "")
+    axes[0][0].set_ylim(bottom=0)
+    axis_x.apply(axes[-1][0], label=False)
+    axes[-1][0].xaxis.set_major_locator(ticker.MaxNLocator(3))
+    figure.suptitle(
+        f"Compute time, rank by rank ({len(ranked)} ranks; grey: the median over ranks"
+        + (f"; red frame: straggler rank {slow})" if slow is not None else ")"),
+        fontsize=10, fontweight="bold", x=0.01, ha="left",
+    )  # fmt: skip
+    return figure
+
+
+@_styled
+def rank_heatmap_figure(compute: Sequence[Series], axis_x: TimeAxis) -> Figure:
+    """Compute time over the other ranks' median, rank by time: 1 is white, slower red, faster blue."""
+    times, ranks, ratios = ratio_to_median(compute)
+    height = min(7.0, 1.6 + 0.16 * max(len(ranks), 4))
+    figure = _figure(height)
+    axis = figure.subplots()
+    if not ranks or ratios.shape[1] < 2:
+        _empty(axis, "Compute time against the other ranks", "too few per-rank compute points for a heat map")
+        return figure
+    finite = ratios[np.isfinite(ratios)]
+    top = float(np.percentile(finite, 99)) if finite.size else 2.0
+    low = float(np.percentile(finite, 1)) if finite.size else 0.5
+    norm = mcolors.TwoSlopeNorm(vmin=min(0.5, low), vcenter=1.0, vmax=max(1.5, top))
+    order = np.argsort(ranks)
+    span = axis_x.x(times)
+    step = float(np.median(np.diff(span))) if len(span) > 1 else 1.0
+    image = axis.imshow(
+        np.ma.masked_invalid(ratios[order]), aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest",
+        extent=(span[0] - step / 2, span[-1] + step / 2, len(ranks) - 0.5, -0.5),
+    )  # fmt: skip
+    labels = [ranks[i] for i in order]
+    if len(labels) <= 32:
+        axis.set_yticks(range(len(labels)), [str(r) for r in labels])
+    else:
+        positions = np.linspace(0, len(labels) - 1, 9).round().astype(int)
+        axis.set_yticks(positions, [str(labels[i]) for i in positions])
+    axis.set_ylabel("rank")
+    axis.grid(False)
+    axis.set_title("Compute time against the median of the other ranks (red: slower, blue: faster)", loc="left")
+    bar = figure.colorbar(image, ax=axis, pad=0.01)
+    bar.set_label("x the other ranks' median")
+    bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    axis_x.apply(axis)
+    return figure
+
+
+# --- resources ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResourceInputs:
+    host_memory: list[Series] = field(default_factory=list)
+    process_memory: list[Series] = field(default_factory=list)
+    device_memory: list[Series] = field(default_factory=list)
+    gpu_utilization: list[Series] = field(default_factory=list)
+    samples_rate: Series | None = None
+    tokens_rate: Series | None = None
+
+
+@_styled
+def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[Mark] = ()) -> Figure:
+    """Host and process memory, device memory, GPU utilisation (where present), throughput."""
+    figure = _figure(7.2)
+    (host, process), (device, speed) = figure.subplots(2, 2, sharex=True)
+    ranks = [s.rank for group in (inputs.process_memory, inputs.device_memory, inputs.gpu_utilization)
+             for s in group if s.rank is not None]  # fmt: skip
+    colors = rank_colors(ranks)
+
+    if inputs.host_memory:
+        for i, s in enumerate(inputs.host_memory):
+            color = matplotlib.colormaps["Dark2"](i % 8)  # not red: red is for alerts
+            host.plot(axis_x.x(s.t), s.v, color=color, label=f"node {s.labels.get('node', '?')}")
+        _ratio_axis(host, "host memory in use")
+        host.set_ylim(0, 1.0)
+        host.set_title("Host memory in use, per node", loc="left")
+        if len(inputs.host_memory) <= 8:
+            host.legend(loc="lower right")
+        _draw_marks(host, axis_x, marks)
+    else:
+        _empty(host, "Host memory", "no rankscope_host_memory_used_ratio series (host probe off)")
+
+    if inputs.process_memory:
+        _per_rank_lines(process, axis_x, inputs.process_memory, colors)
+        bytes_axis(process, _values(inputs.process_memory), "resident set size")
+        process.set_title("Process memory (RSS) per rank", loc="left")
+        _draw_marks(process, axis_x, marks)
+    else:
+        _empty(process, "Process memory", "no rankscope_process_resident_memory_bytes series")
+
+    allocated = [s for s in inputs.device_memory if s.labels.get("kind") in ("allocated", "reserved")]
+    if allocated:
+        for s in allocated:
+            dashed = s.labels.get("kind") == "reserved"
+            device.plot(
+                axis_x.x(s.t),
+                s.v,
+                color=colors.get(s.rank, "#333333"),
+                ls="--" if dashed else "-",
+                lw=0.9 if dashed else 1.2,
+                label=f"rank {s.rank} {s.labels.get('kind')}" if len(allocated) <= LEGEND_RANKS else None,
+            )
+        bytes_axis(device, _values(allocated), "device memory")
+        title = "Device memory per rank (solid: allocated, dashed: reserved)"
+        if inputs.gpu_utilization:
+            twin = device.twinx()
+            for s in inputs.gpu_utilization:
+                twin.plot(axis_x.x(s.t), s.v, color=colors.get(s.rank, "#333333"), lw=0.7, alpha=0.5, ls=":")
+            twin.set_ylim(0, 1.0)
+            _ratio_axis(twin, "GPU utilisation (dotted)")
+            twin.grid(False)
+            title += ", GPU utilisation dotted"
+        device.set_title(title, loc="left", fontsize=9.5)
+        _draw_marks(device, axis_x, marks)
+    elif inputs.gpu_utilization:
+        _per_rank_lines(device, axis_x, inputs.gpu_utilization, colors)
+        _ratio_axis(device, "GPU utilisation")
+        device.set_title("GPU utilisation per rank", loc="left")
+    else:
+        _empty(device, "Device memory and GPU utilisation", "no device series: this run trained on CPU")
+
+    if inputs.samples_rate is not None and len(inputs.samples_rate):
+        s = inputs.samples_rate
+        speed.plot(axis_x.x(s.t), s.v, color="#1f77b4", label="samples/s (all ranks)")
+        _rate_axis(speed, "/s", "samples per second")
+        speed.set_ylim(bottom=0)
+        if inputs.tokens_rate is not None and len(inputs.tokens_rate):
+            twin = speed.twinx()
+            twin.plot(axis_x.x(inputs.tokens_rate.t), inputs.tokens_rate.v, color="#ff7f0e", lw=1.0, ls="--",
+                      label="tokens/s (all ranks)")  # fmt: skip
+            _rate_axis(twin, "/s", "tokens per second")
+            twin.set_ylim(bottom=0)
+            twin.grid(False)
+            twin.spines["right"].set_visible(True)
+            lines = speed.get_lines() + twin.get_lines()
+            speed.legend(lines, [line.get_label() for line in lines], loc="lower right")
+        speed.set_title("Throughput", loc="left")
+        _draw_marks(speed, axis_x, marks)
+    else:
+        _empty(speed, "Throughput", "no rankscope_samples_total series")
+    for axis in (device, speed):
+        axis_x.apply(axis)
+    return figure
+
+
+# --- incidents ----------------------------------------------------------------------------------------
+
+
+def _fmt_seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 120 else clock(value)
+
+
+@_styled
+def incidents_figure(incidents: Incidents, axis_x: TimeAxis, interval: float = 0.0) -> Figure:
+    """A timeline: one row per alert (amber pending, red firing), then actions, checkpoints and pauses.
+
+    An arrow joins each alert's onset to the action it caused, labelled with the fault-to-action time.
+    """
+    rows: list[str] = []
+    for episode in incidents.episodes:
+        if episode.title not in rows:
+            rows.append(episode.title)
+    rows += ["control actions", "checkpoints"] + (["paused"] if incidents.paused else [])
+    figure = _figure(1.3 + 0.42 * len(rows))
+    axis = figure.subplots()
+    position = {title: i for i, title in enumerate(rows)}
+    for episode in incidents.episodes:
+        y = position[episode.title]
+        end = episode.ended_at + interval
+        if episode.pending_at is not None:
+            until = episode.firing_at if episode.firing_at is not None else end
+            axis.barh(y, until - episode.pending_at, left=axis_x.x(episode.pending_at), height=0.5, color=PENDING)
+        if episode.firing_at is not None:
+            axis.barh(y, max(end - episode.firing_at, interval, 0.5), left=axis_x.x(episode.firing_at), height=0.5,
+                      color=FIRING)  # fmt: skip
+    y_actions = position["control actions"]
+    for index, event in enumerate(incidents.actions):
+        color = ACTION_COLORS.get(event.action, "#555555")
+        applied = event.result == "applied"
+        axis.plot(axis_x.x(event.at), y_actions, marker="D" if applied else "X", ms=7, color=color,
+                  markeredgecolor="white" if applied else color, ls="none")  # fmt: skip
+        label = event.action if applied else f"{event.action} ({event.result})"
+        below = index % 2 == 0  # neighbours alternate below and above the row, so close labels stay apart
+        axis.annotate(label, (axis_x.x(event.at), y_actions), xytext=(0, -11 if below else 11),
+                      textcoords="offset points", ha="center", va="top" if below else "bottom", fontsize=7.5,
+                      color=color)  # fmt: skip
+        if event.cause is not None and event.fault_to_action is not None:
+            start = (axis_x.x(event.cause.onset), position[event.cause.title])
+            axis.annotate("", xy=(axis_x.x(event.at), y_actions), xytext=start,
+                          arrowprops={"arrowstyle": "->", "color": color, "lw": 1.0})  # fmt: skip
+            middle = ((start[0] + axis_x.x(event.at)) / 2, (start[1] + y_actions) / 2)
+            axis.annotate(f"{_fmt_seconds(event.fault_to_action or 0.0)}", middle, xytext=(4, 0),
+                          textcoords="offset points", fontsize=7.5, color=color, va="center",
+                          bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})  # fmt: skip
+    y_checkpoints = position["checkpoints"]
+    for t, reason in incidents.checkpoints:
+        kind = reason.split(":", 1)[0]
+        axis.plot(axis_x.x(t), y_checkpoints, marker="|", ms=11, mew=2,
+                  color=ACTION_COLORS["checkpoint"] if kind not in ("interval", "final") else "#999999")  # fmt: skip
+    for lo, hi in incidents.paused:
+        axis.barh(position["paused"], max(hi - lo, interval), left=axis_x.x(lo), height=0.5, color="#8d99ae")
+    axis.set_yticks(range(len(rows)), rows)
+    axis.set_ylim(len(rows) - 0.4, -0.6)
+    axis.grid(axis="y", visible=False)
+    title = "Alerts (amber: pending, red: firing) and the actions they caused"
+    if not incidents.episodes and not incidents.actions:
+        title = "No alert fired and no control action was taken"
+    axis.set_title(title, loc="left")
+    axis_x.apply(axis)
+    return figure
+
+
+# --- the documents' analyses ----------------------------------------------------------------------------
+
+
+@_styled
+def loss_rate_figure(x: np.ndarray, slope: np.ndarray, axis_x: TimeAxis, unit: str, window: str,
+                     marks: Sequence[Mark] = ()) -> Figure:  # fmt: skip
+    """The loss's rate of change over a sliding window; above zero, the loss is climbing."""
+    figure = _figure(3.0)
+    axis = figure.subplots()
+    if len(x) == 0:
+        _empty(axis, "Loss rate of change", "too few loss points for the sliding window")
+        return figure
+    xs = axis_x.x(x)
+    axis.plot(xs, slope, color="#1f77b4", lw=1.0)
+    axis.fill_between(xs, slope, 0, where=slope > 0, color=FIRING, alpha=0.25, lw=0, label="rising")
+    axis.fill_between(xs, slope, 0, where=slope <= 0, color="#2a9d8f", alpha=0.2, lw=0, label="falling")
+    axis.axhline(0, color="#555555", lw=0.8)
+    finite = slope[np.isfinite(slope)]
+    if finite.size:
+        # Robust limits: the steep fall of the first steps would flatten everything after it (it is clipped,
+        # and obviously falling); a climb later in the run is what this plot is for.
+        bound = float(np.percentile(np.abs(finite), 90)) * 2.5 or float(np.abs(finite).max()) or 1.0
+        axis.set_ylim(-bound, bound)
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.2g}"))
+    axis.set_ylabel(f"d loss / d {unit}")
+    axis.set_title(f"Loss rate of change (least-squares slope over the last {window})", loc="left")
+    axis.legend(loc="upper right")
+    _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
+    axis_x.apply(axis)
+    return figure
+
+
+@_styled
+def correlation_figure(x: np.ndarray, correlation: np.ndarray, axis_x: TimeAxis, window: str,
+                       marks: Sequence[Mark] = ()) -> Figure:  # fmt: skip
+    """Rolling Pearson correlation of learning rate and loss: +1 they rise together, -1 one falls as the other rises."""
+    figure = _figure(3.0)
+    axis = figure.subplots()
+    if len(x) == 0 or not np.isfinite(correlation).any():
+        _empty(axis, "Learning rate and loss: rolling correlation",
+               "not enough points where both the learning rate and the loss vary")  # fmt: skip
+        return figure
+    xs = axis_x.x(x)
+    axis.plot(xs, correlation, color="#7b2cbf", lw=1.1)
+    axis.axhline(0, color="#555555", lw=0.8)
+    axis.set_ylim(-1.05, 1.05)
+    axis.set_ylabel("Pearson r")
+    axis.set_title(f"Learning rate and loss: rolling correlation over the last {window}", loc="left")
+    _draw_marks(axis, axis_x, marks)
+    axis_x.apply(axis)
+    return figure
+
+
+@_styled
+def memory_vs_length_figure(pairs: dict[int, tuple[np.ndarray, np.ndarray]], x_label: str, y_label: str) -> Figure:
+    """Memory against sequence length (or tokens per step), one colour per rank."""
+    figure = _figure(3.6, width=WIDTH * 0.62)
+    axis = figure.subplots()
+    if not any(len(x) for x, _ in pairs.values()):
+        _empty(axis, "Memory against sequence length", "no pair of memory and sequence-length series to compare")
+        return figure
+    colors = rank_colors(pairs)
+    ys = []
+    for rank, (x, y) in sorted(pairs.items()):
+        axis.scatter(x, y, s=9, color=colors[rank], alpha=0.6, label=f"rank {rank}", lw=0)
+        ys += list(y)
+    bytes_axis(axis, ys, y_label)
+    axis.set_xlabel(x_label)
+    axis.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_title("Memory against sequence length", loc="left")
+    if len(pairs) <= LEGEND_RANKS:
+        axis.legend(loc="best", markerscale=1.5)
+    return figure
+
+
+# --- attention maps ---------------------------------------------------------------------------------------
+
+SHOWN_SAMPLES = 4
+
+
+@_styled
+def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) -> Figure:
+    """Per sample: the image and its class token's attention over the patches side by side, the caption's
+    token-to-token attention under them."""
+    count = min(samples, snapshot.samples)
+    has_image = snapshot.image_attention is not None
+    figure = _figure(5.4 if has_image else 3.4)
+    grid = figure.add_gridspec(2 if has_image else 1, 2 * count, height_ratios=[1.0, 1.9] if has_image else [1.0])
+    for i in range(count):
+        caption = "\n".join(textwrap.wrap(snapshot.captions[i], 40)[:2])
+        if has_image:
+            picture = figure.add_subplot(grid[0, 2 * i])
+            picture.imshow(snapshot.images[i], interpolation="nearest")
+            picture.set_title("input", fontsize=7.5, fontweight="normal")
+            heat = figure.add_subplot(grid[0, 2 * i + 1])
+            patches = snapshot.image_attention[i]  # type: ignore[index]
+            heat.imshow(patches, cmap="inferno", vmin=0, vmax=max(float(patches.max()), 1e-9), interpolation="nearest")
+            heat.set_title("class token's attention", fontsize=7.5, fontweight="normal")
+            for axis in (picture, heat):
+                axis.set_xticks([])
+                axis.set_yticks([])
+                axis.grid(False)
+        text = figure.add_subplot(grid[-1, 2 * i : 2 * i + 2])
+        tokens = [t for t in snapshot.tokens[i] if t]
+        n = len(tokens)
+        matrix = snapshot.text_attention[i][:n, :n]
+        image = text.imshow(matrix, cmap="viridis", vmin=0, vmax=max(float(matrix.max()), 1e-9),
+                            interpolation="nearest")  # fmt: skip
+        text.set_xticks(range(n), tokens, rotation=90, fontsize=7)
+        text.set_yticks(range(n), tokens, fontsize=7)
+        text.grid(False)
+        text.set_title(caption, fontsize=8, fontweight="normal")
+        if i == count - 1:
+            bar = figure.colorbar(image, ax=text, shrink=0.8, pad=0.02)
+            bar.set_label("attention weight", fontsize=7)
+    figure.suptitle(f"Validation at step {snapshot.step}", fontsize=10, fontweight="bold", x=0.01, ha="left")
+    return figure
+
+
+# --- the summary -------------------------------------------------------------------------------------------
+
+
+@_styled
+def summary_figure(
+    title: str,
+    training: TrainingInputs,
+    compute: Sequence[Series],
+    incidents: Incidents,
+    axis_x: TimeAxis,
+    straggler: Straggler | None = None,
+    interval: float = 0.0,
+) -> Figure:
+    """The one-picture summary saved next to the report: loss, learning rate, compute per rank, incidents."""
+    figure = _figure(8.4)
+    grid = figure.add_gridspec(3, 2, height_ratios=[1.0, 1.0, 0.9])
+    loss = figure.add_subplot(grid[0, 0])
+    lr = figure.add_subplot(grid[0, 1], sharex=loss)
+    ranks = figure.add_subplot(grid[1, :], sharex=loss)
+    timeline = figure.add_subplot(grid[2, :], sharex=loss)
+    marks = marks_from(incidents, interval)
+
+    _plot_loss(loss, training, axis_x, marks)
+    _plot_learning_rate(lr, training, axis_x, marks)
+    lr.set_title("Learning rate, actions marked", loc="left")
+
+    ranked = [s for s in compute if s.rank is not None]
+    colors = rank_colors([s.rank for s in ranked])  # type: ignore[misc]
+    _per_rank_lines(ranks, axis_x, ranked, colors, lw=0.9 if len(ranked) > LEGEND_RANKS else 1.2)
+    if straggler is not None and straggler.stands_out:
+        for s in ranked:
+            if s.rank == straggler.rank:
+                ranks.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=2.6)  # type: ignore[index]
+        ranks.set_title(f"Compute time per rank: rank {straggler.rank} is the straggler "
+                        f"({straggler.ratio:.2f}x the other ranks' median)", loc="left")  # fmt: skip
+    else:
+        ranks.set_title("Compute time per rank (no straggler)", loc="left")
+    if ranked:
+        seconds_axis(ranks, _values(ranked), "compute time")
+        ranks.set_ylim(bottom=0)
+    _draw_marks(ranks, axis_x, marks)
+
+    rows: list[str] = []
+    for episode in incidents.episodes:
+        if episode.title not in rows:
+            rows.append(episode.title)
+    rows.append("actions")
+    for episode in incidents.episodes:
+        y = rows.index(episode.title)
+        if episode.pending_at is not None:
+            until = episode.firing_at if episode.firing_at is not None else episode.ended_at + interval
+            timeline.barh(y, until - episode.pending_at, left=axis_x.x(episode.pending_at), height=0.5, color=PENDING)
+        if episode.firing_at is not None:
+            timeline.barh(y, max(episode.ended_at + interval - episode.firing_at, 0.5),
+                          left=axis_x.x(episode.firing_at), height=0.5, color=FIRING)  # fmt: skip
+    for index, event in enumerate(incidents.actions):
+        color = ACTION_COLORS.get(event.action, "#555555")
+        timeline.plot(axis_x.x(event.at), len(rows) - 1, marker="D", ms=6, color=color, ls="none")
+        label = event.action if event.result == "applied" else f"{event.action} ({event.result})"
+        if event.cause is not None and event.fault_to_action is not None:
+            label += f": {_fmt_seconds(event.fault_to_action or 0.0)} after {event.cause.alertname}"
+        timeline.annotate(label, (axis_x.x(event.at), len(rows) - 1), xytext=(5, -7 if index % 2 == 0 else 7),
+                          textcoords="offset points", fontsize=7.5, color=color, va="center")  # fmt: skip
+    timeline.set_yticks(range(len(rows)), rows, fontsize=7.5)
+    timeline.set_ylim(len(rows) - 0.4, -0.6)
+    timeline.grid(axis="y", visible=False)
+    quiet = not incidents.episodes and not incidents.actions
+    timeline.set_title("No alert fired and no control action was taken" if quiet else
+                       "Alerts (amber pending, red firing) and control actions", loc="left")  # fmt: skip
+    for axis in (loss, lr, ranks):
+        axis.tick_params(labelbottom=False)
+    axis_x.apply(timeline)
+    figure.suptitle(title, fontsize=11, fontweight="bold", x=0.01, ha="left")
+    return figure

@@ -1,0 +1,386 @@
+"""The page's sections, built from what Prometheus, the run log and the attention maps hold.
+
+One function per section (:func:`overview`, :func:`training`, :func:`ranks`, :func:`resources`,
+:func:`incidents_section`, :func:`analyses`, :func:`attention`) turns the data into blocks of
+:mod:`.html` (figures from :mod:`.plots`, tables, notes); :func:`facts` is the header's list.
+A part the run has no data for says so in its panel or in a note, never silently disappears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from rankscope.report import plots
+from rankscope.report.analysis import Straggler, align, rate_of_change, rolling_correlation
+from rankscope.report.attention import AttentionSnapshot
+from rankscope.report.collect import RunData
+from rankscope.report.html import Figure, Note, Paragraph, Section, Table
+from rankscope.report.incidents import ActionEvent, AlertEpisode, Incidents
+from rankscope.report.runlog import RunLog
+from rankscope.report.series import Series
+
+__all__ = [
+    "SECTIONS",
+    "STRAGGLER_RATIO",
+    "Context",
+    "analyses",
+    "attention",
+    "duration",
+    "facts",
+    "incidents_section",
+    "overview",
+    "ranks",
+    "resources",
+    "training",
+    "utc",
+]
+
+#: The RankscopeRankImbalance line of the shipped rules: a rank this much slower than the median is a straggler.
+STRAGGLER_RATIO = 1.5
+#: Section ids, in page order.
+SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "analyses", "attention")
+
+
+def utc(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+@dataclass
+class Context:
+    """Everything the sections draw from, with the pieces several of them share."""
+
+    data: RunData
+    log: RunLog | None
+    incidents: Incidents
+    straggler: Straggler
+
+    def __post_init__(self) -> None:
+        self.axis = plots.TimeAxis(self.data.start, self.data.end)
+        self.marks = plots.marks_from(self.incidents, self.data.run.interval)
+        self.logged = _log_series(self.log)
+        self.training = _training_inputs(self.data, self.logged)
+        self.compute = self.data.get("compute_time")
+
+    def summary_png(self) -> bytes:
+        run = self.data.run
+        title = f"rankscope run {run.run_id}: {utc(run.start)}, {duration(run.end - run.start)}"
+        figure = plots.summary_figure(title, self.training, self.compute, self.incidents, self.axis, self.straggler,
+                                      run.interval)  # fmt: skip
+        return plots.png_bytes(figure)
+
+
+def overview(ctx: Context, summary_png: bytes) -> Section:
+    return Section("overview", "Overview", [
+        Paragraph(_straggler_words(ctx.straggler, ctx.incidents)),
+        Figure(summary_png, "summary: loss, learning rate, compute per rank, incidents",
+               "Red bar along the top of a plot: an alert firing. Dashed lines: control actions applied on "
+               "every rank."),
+    ])  # fmt: skip
+
+
+def training(ctx: Context) -> Section:
+    blocks: list = [_fig(plots.training_figure(ctx.training, ctx.axis, ctx.marks),
+                         "loss, accuracy, learning rate, gradient norm")]  # fmt: skip
+    if ctx.log is None:
+        blocks.append(Note("Without --log the loss is Prometheus's (one point a scrape); with the run log every "
+                           "step is drawn."))  # fmt: skip
+    else:
+        blocks.append(Note("Prometheus's series trail the run log's by up to a scrape interval plus the exporter's "
+                           "page cache: on a short run the per-step lines lead by a second or two."))  # fmt: skip
+    return Section("training", "Training", blocks)
+
+
+def ranks(ctx: Context) -> Section:
+    data, found = ctx.data, ctx.straggler
+    timings = {"step": data.get("step_time"), "compute": ctx.compute, "comm": data.get("comm_time"),
+               "data wait": data.get("data_wait")}  # fmt: skip
+    blocks: list = [
+        Paragraph(_straggler_words(found, ctx.incidents)),
+        _fig(
+            plots.rank_timings_figure(timings, ctx.axis, found, ctx.marks), "step, compute, comm and data wait per rank"
+        ),
+        _fig(plots.rank_small_multiples_figure(ctx.compute, ctx.axis, found), "compute time, one panel per rank"),
+        _fig(plots.rank_heatmap_figure(ctx.compute, ctx.axis), "compute time against the other ranks, rank by time"),
+    ]
+    if len(found.ranking) > 1:
+        rows = [[str(rank), f"{ratio:.2f}x"] for rank, ratio in found.ranking[:8]]
+        blocks.append(Table(["rank", "compute / other ranks' median (90th percentile)"], rows, caption="Slowest ranks"))
+    return Section("ranks", "Ranks", blocks)
+
+
+def resources(ctx: Context) -> Section:
+    data = ctx.data
+    inputs = plots.ResourceInputs(
+        host_memory=data.get("host_memory"),
+        process_memory=data.get("process_memory"),
+        device_memory=data.get("device_memory"),
+        gpu_utilization=data.get("gpu_utilization"),
+        samples_rate=data.one("samples_rate"),
+        tokens_rate=data.one("tokens_rate"),
+    )
+    figure = plots.resources_figure(inputs, ctx.axis, ctx.marks)
+    return Section("resources", "Resources", [_fig(figure, "host, process and device memory, GPU use, throughput")])
+
+
+def incidents_section(ctx: Context) -> Section:
+    figure = plots.incidents_figure(ctx.incidents, ctx.axis, ctx.data.run.interval)
+    return Section("incidents", "Incidents", [
+        _fig(figure, "timeline of alerts and actions"),
+        *_incident_tables(ctx.incidents, ctx.data.start),
+        Note("Fault to action: from the alert's first pending evaluation (the first time Prometheus saw the fault; "
+             "its first firing one for a rule without `for`) to the action applied on every rank, known to within "
+             "a scrape interval (closer where the run log has the record)."),
+    ])  # fmt: skip
+
+
+def analyses(ctx: Context) -> Section:
+    x, slope, unit, window = _loss_rate(ctx.data, ctx.log)
+    cx, correlation, cwindow = _lr_loss_correlation(ctx.data, ctx.log)
+    pairs, x_label, y_label = _memory_pairs(ctx.data)
+    return Section("analyses", "Analyses", [
+        _fig(plots.loss_rate_figure(x, slope, ctx.axis, unit, window, ctx.marks), "loss rate of change"),
+        _fig(plots.correlation_figure(cx, correlation, ctx.axis, cwindow, ctx.marks), "learning rate-loss correlation"),
+        _fig(plots.memory_vs_length_figure(pairs, x_label, y_label), "memory against sequence length"),
+    ])  # fmt: skip
+
+
+def attention(snapshots: list[AttentionSnapshot], skipped: list[str], where: Path | None) -> Section:
+    return Section("attention", "Attention maps", _attention_blocks(snapshots, skipped, where))
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _log_series(log: RunLog | None) -> dict[str, Series]:
+    if log is None:
+        return {}
+    train, val = log.train(), log.val()
+    out: dict[str, Series] = {}
+    if len(train["step"]):
+        keep = np.isfinite(train["time"])
+        out["loss"] = Series({}, train["time"][keep], train["loss"][keep], "train loss").finite()
+        out["lr"] = Series({}, train["time"][keep], train["lr"][keep], "learning rate").finite()
+    if len(val["step"]):
+        out["val"] = Series({}, val["time"], val["loss"], "validation loss").finite()
+    return out
+
+
+# --- analyses -----------------------------------------------------------------------------------------
+
+
+def _analysis_window(count: int, minimum: int = 8) -> int:
+    return int(min(200, max(minimum, count // 12)))
+
+
+def _loss_rate(data: RunData, log: RunLog | None) -> tuple[np.ndarray, np.ndarray, str, str]:
+    """(times, slope, unit, window words): per step from the run log, else per second from Prometheus."""
+    if log is not None:
+        train = log.train()
+        keep = np.isfinite(train["loss"]) & np.isfinite(train["time"]) & np.isfinite(train["step"])
+        steps, loss, times = train["step"][keep], train["loss"][keep], train["time"][keep]
+        window = _analysis_window(len(steps))
+        if len(steps) >= window:
+            _, slope = rate_of_change(steps, loss, window)
+            return times[window - 1 :], slope, "step", f"{window} steps"
+    s = next((x for x in data.get("loss") if x.labels.get("split") == "train"), None)
+    if s is None or len(s) < 8:
+        return np.array([]), np.array([]), "s", ""
+    window = _analysis_window(len(s))
+    x, slope = rate_of_change(s.t, s.v, window)
+    return x, slope, "s", duration(window * data.run.step)
+
+
+def _lr_loss_correlation(data: RunData, log: RunLog | None) -> tuple[np.ndarray, np.ndarray, str]:
+    if log is not None:
+        train = log.train()
+        keep = np.isfinite(train["loss"]) & np.isfinite(train["lr"]) & np.isfinite(train["time"])
+        if keep.sum() >= 8:
+            window = _analysis_window(int(keep.sum()), minimum=10)
+            return train["time"][keep], rolling_correlation(train["lr"][keep], train["loss"][keep], window), \
+                f"{window} steps"  # fmt: skip
+    lr = next((s for s in data.get("learning_rate") if s.labels.get("param_group") in ("0", None)), None)
+    loss = next((s for s in data.get("loss") if s.labels.get("split") == "train"), None)
+    if lr is None or loss is None:
+        return np.array([]), np.array([]), ""
+    times = np.intersect1d(lr.t, loss.t)
+    if len(times) < 10:
+        return np.array([]), np.array([]), ""
+    window = _analysis_window(len(times), minimum=10)
+    return times, rolling_correlation(lr.at(times), loss.at(times), window), duration(window * data.run.step)
+
+
+def _memory_pairs(data: RunData) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], str, str]:
+    """Per rank: (sequence length, memory) at shared times; the memory is device memory where there is some."""
+    device = [s for s in data.get("device_memory") if s.labels.get("kind") == "allocated"]
+    memory, y_label = (device, "device memory allocated") if device else (data.get("process_memory"), "process RSS")
+    lengths, x_label = data.get("text_length"), "mean caption length per step (tokens)"
+    if not lengths:
+        lengths, x_label = data.get("tokens_per_step"), "tokens per step (excluding padding)"
+    by_rank = {s.rank: s for s in memory if s.rank is not None}
+    pairs = {}
+    for s in lengths:
+        if s.rank in by_rank:
+            pairs[s.rank] = align(s, by_rank[s.rank])
+    return {r: p for r, p in pairs.items() if len(p[0])}, x_label, y_label
+
+
+# --- sections -----------------------------------------------------------------------------------------
+
+
+def _fig(figure: object, alt: str, caption: str = "") -> Figure:
+    return Figure(plots.png_bytes(figure), alt, caption)  # type: ignore[arg-type]
+
+
+def _training_inputs(data: RunData, logged: dict[str, Series]) -> plots.TrainingInputs:
+    loss = {s.labels.get("split"): s for s in data.get("loss")}
+    return plots.TrainingInputs(
+        train_loss=loss.get("train"),
+        val_loss=loss.get("val"),
+        per_step_loss=logged.get("loss"),
+        val_points=logged.get("val"),
+        accuracy=data.get("accuracy"),
+        learning_rate=data.get("learning_rate"),
+        per_step_lr=logged.get("lr"),
+        grad_norm=data.one("grad_norm"),
+    )
+
+
+def _straggler_words(found: Straggler, incidents: Incidents) -> str:
+    named = sorted({e.labels.get("rank", "?") for e in incidents.episodes if e.alertname == "RankscopeRankImbalance"})
+    alert = f" RankscopeRankImbalance fired for rank {', '.join(named)}." if named else ""
+    if found.rank is None:
+        return "No per-rank compute series: the straggler cannot be named." + alert
+    if len(found.ranking) < 2:
+        return "A single rank: there is no straggler to name." + alert
+    if found.stands_out:
+        return (
+            f"Straggler: rank {found.rank}. Its compute time was {found.ratio:.2f}x the other ranks' median "
+            f"(90th percentile over the run; the imbalance alert's line is {found.threshold:g}x).{alert}"
+        )
+    return (
+        f"No straggler: every rank's compute time stayed within {found.threshold:g}x the other ranks' median "
+        f"(the slowest, rank {found.rank}, reached {found.ratio:.2f}x).{alert}"
+    )
+
+
+def _episode_state(episode: AlertEpisode) -> str:
+    if episode.active:
+        return "still active"
+    return "fired, resolved" if episode.firing_at is not None else "pending only"
+
+
+def _latency(event: ActionEvent) -> str:
+    """Fault to action, with where the time went when the alert had a pending phase."""
+    value, cause = event.fault_to_action, event.cause
+    if value is None or cause is None:
+        return "-"
+    if cause.pending_at is None or cause.firing_at is None:
+        return f"{value:.1f} s"
+    return (f"{value:.1f} s (pending {cause.firing_at - cause.pending_at:.1f} s, "
+            f"firing to applied {event.at - cause.firing_at:.1f} s)")  # fmt: skip
+
+
+def _incident_tables(incidents: Incidents, start: float) -> list[Table]:
+    def since(t: float | None) -> str:
+        return "" if t is None else plots.clock(t - start)
+
+    episodes = Table(
+        ["alert", "where", "severity", "action label", "pending at", "firing at", "last seen", "state"],
+        [[e.alertname, e.where or "run", e.severity, e.action or "-", since(e.pending_at), since(e.firing_at),
+          since(e.ended_at), _episode_state(e)] for e in incidents.episodes],
+        caption="Alert episodes (times since the run's first sample; from Prometheus's ALERTS series)",
+    )  # fmt: skip
+    actions = Table(
+        ["action", "source", "result", "settled by", "step", "reason", "caused by", "fault to action", "seen in"],
+        [[a.action, a.source, a.result, since(a.at), "" if a.step is None else str(a.step), a.reason or "-",
+          a.cause.title if a.cause is not None else "-", _latency(a), " + ".join(a.evidence)]
+         for a in incidents.actions],
+        caption="Control actions (rankscope_control_actions_total, sharpened by the run log where it has them)",
+    )  # fmt: skip
+    return [t for t in (episodes, actions) if t.rows]
+
+
+def _attention_blocks(snapshots: list[AttentionSnapshot], skipped: list[str], where: Path | None) -> list:
+    blocks: list = []
+    if not snapshots:
+        if where is None:
+            blocks.append(Note("No attention maps: give the run log (--log) or --attention DIR to show them."))
+        else:
+            blocks.append(Note(f"No attention maps in {where} (the trainer saves them at validation time into "
+                               "attention/ beside its run log; run.attention_maps sets how many)."))  # fmt: skip
+    else:
+        blocks.append(Paragraph(
+            "The first validation samples of rank 0, at the first and at the latest validation. Top: each input "
+            "image beside its class token's attention over the image patches (last ViT layer, mean over heads; "
+            "bright = more attention). Below: the caption's token-to-token attention (last text layer, mean over "
+            "heads; a row is the attending token, a column the token attended to)."
+        ))  # fmt: skip
+        chosen = [snapshots[0]] + ([snapshots[-1]] if len(snapshots) > 1 else [])
+        for snapshot in chosen:
+            blocks.append(_fig(plots.attention_figure(snapshot), f"attention maps at step {snapshot.step}"))
+    blocks += [Note(f"skipped {line}") for line in skipped]
+    return blocks
+
+
+def _state(data: RunData, log: RunLog | None) -> str:
+    if data.finished_ranks and data.finished_ranks >= data.run.ranks:
+        stopped = [r.get("stopped") for r in (log.of("finished") if log else []) if r.get("stopped")]
+        return f"finished (stopped: {stopped[-1]})" if stopped else "finished"
+    if data.run.live:
+        return "live: still training (run the report again for a newer picture)"
+    return "ended without finishing cleanly (crashed, killed, or no longer scraped)"
+
+
+def facts(data: RunData, log: RunLog | None, incidents: Incidents, found: Straggler) -> list[tuple[str, str]]:
+    """The header: what the run was, in a few lines."""
+    logged = _log_series(log)
+    run = data.run
+    info = data.info
+    facts = [
+        ("run_id", run.run_id),
+        ("state", _state(data, log)),
+        ("when", f"{utc(run.start)[:-4]} to {utc(run.end)[11:]}"),
+        ("duration", duration(run.end - run.start)),
+        ("ranks", f"{run.ranks}" + (f" (world size {info['world_size']})" if "world_size" in info else "")),
+        ("steps", f"up to {run.max_step}"),
+        ("scrape interval", f"{run.interval:g} s (resolution {run.step:g} s)"),
+    ]
+    facts += [
+        (key, info[key]) for key in ("model", "backend", "torch_version", "cuda_version", "config_hash") if key in info
+    ]
+    loss = logged.get("loss") or next((s for s in data.get("loss") if s.labels.get("split") == "train"), None)
+    if loss is not None and len(loss):
+        facts.append(("last train loss", f"{loss.v[-1]:.4g}"))
+    val = logged.get("val") or next((s for s in data.get("loss") if s.labels.get("split") == "val"), None)
+    if val is not None and len(val):
+        facts.append(("best validation loss", f"{np.nanmin(val.v):.4g}"))
+    rate = data.one("samples_rate")
+    if rate is not None:
+        facts.append(("throughput", f"{np.nanmedian(rate.v):.4g} samples/s (median)"))
+    firing = [e for e in incidents.episodes if e.firing_at is not None]
+    facts.append(
+        (
+            "alerts fired",
+            str(len(firing)) + (f" ({', '.join(sorted({e.alertname for e in firing}))})" if firing else ""),
+        )
+    )
+    applied = [a for a in incidents.actions if a.result == "applied"]
+    facts.append(
+        ("actions applied", str(len(applied)) + (f" ({', '.join(a.action for a in applied)})" if applied else ""))
+    )
+    if found.stands_out:
+        facts.append(("straggler", f"rank {found.rank} ({found.ratio:.2f}x the other ranks' median)"))
+    elif len(found.ranking) > 1:
+        facts.append(("straggler", "none"))
+    return facts

@@ -1,0 +1,301 @@
+"""One rank's /metrics page: the Prometheus text format (0.0.4), rendered fast and cached briefly.
+
+    render = PageRenderer(registry).render      # bytes, like prometheus_client.generate_latest(registry)
+    page = CachedPage(render, seconds=1.0)      # at most one render (and one run of the probes) per second
+    body = page.get()
+
+`PageRenderer` gives the same families, samples and values as `generate_latest`, minus the
+`_created` series (a creation timestamp per counter and histogram child: they double the series
+count and no rule or panel reads them). It is several times faster because the text that never
+changes is rendered once per child: `name{run_id="..",rank="..",...,le="0.5"} ` for every sample
+of a prometheus_client Counter, Gauge or Histogram child; per scrape only the numbers are read
+and formatted. Other collectors (the scrape-time probes, a user's own) go through their
+`collect()`, formatted as `generate_latest` formats them. It relies on prometheus_client's
+metric internals (`_metrics`, `_value`, `_buckets`, `_sum`, `_upper_bounds`), as
+`rankscope.instruments.observe_all` does; where one is missing, that metric takes the general path.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.utils import floatToGoString
+
+try:  # prometheus_client >= 0.21 knows UTF-8 names and escapes the rest to underscores
+    from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
+except ImportError:  # pragma: no cover - older clients only allow legacy names anyway
+
+    def escape_metric_name(s: str) -> str:
+        return s
+
+    def escape_label_name(s: str) -> str:
+        return s
+
+
+__all__ = ["CONTENT_TYPE", "CachedPage", "PageRenderer"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_SPECIAL = {"inf": "+Inf", "-inf": "-Inf", "nan": "NaN"}
+
+
+def _number(value: float) -> str:
+    # repr() is the shortest text that reads back as the same float; Go's parser takes it as is.
+    text = repr(value) if type(value) is float else repr(float(value))
+    return _SPECIAL.get(text, text)
+
+
+def _escape_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _head(name: str, pairs: Iterable[tuple[str, str]]) -> str:
+    """`name{a="x",b="y"} `: a sample line up to its value."""
+    labels = ",".join(f'{escape_label_name(k)}="{_escape_value(v)}"' for k, v in pairs)
+    return f"{escape_metric_name(name)}{{{labels}}} " if labels else f"{escape_metric_name(name)} "
+
+
+def _header(name: str, kind: str, documentation: str) -> str:
+    """HELP and TYPE lines, with generate_latest's munging from OpenMetrics types to the text format."""
+    if kind == "counter":
+        name += "_total"
+    elif kind == "info":
+        name, kind = name + "_info", "gauge"
+    elif kind == "stateset":
+        kind = "gauge"
+    elif kind == "gaugehistogram":
+        kind = "histogram"
+    elif kind == "unknown":
+        kind = "untyped"
+    name = escape_metric_name(name)
+    return f"# HELP {name} {_escape_help(documentation)}\n# TYPE {name} {kind}\n"
+
+
+def _own(child: Any, cls: type) -> bool:
+    """Whether `child` samples as `cls` does (no subclass override, no Gauge.set_function)."""
+    return type(child)._child_samples is cls._child_samples and "_child_samples" not in vars(child)
+
+
+class _Scalar:
+    """A Counter or Gauge child: one line, one number."""
+
+    __slots__ = ("child", "head", "value")
+
+    def __init__(self, child: Any, head: str) -> None:
+        self.child, self.head, self.value = child, head, child._value
+
+    def render(self, out: list[str]) -> None:
+        out.append(self.head + _number(self.value.get()) + "\n")
+
+
+class _Buckets:
+    """A Histogram child: cumulative buckets, count, and sum (when no bound is negative)."""
+
+    __slots__ = ("child", "heads", "count_head", "sum_head", "buckets", "total")
+
+    def __init__(self, child: Any, name: str, pairs: list[tuple[str, str]]) -> None:
+        self.child, self.buckets, self.total = child, child._buckets, child._sum
+        bounds = child._upper_bounds
+        self.heads = [_head(name + "_bucket", [*pairs, ("le", floatToGoString(b))]) for b in bounds]
+        self.count_head = _head(name + "_count", pairs)
+        self.sum_head = _head(name + "_sum", pairs) if bounds[0] >= 0 else None
+
+    def render(self, out: list[str]) -> None:
+        accumulated = 0.0
+        append = out.append
+        for head, bucket in zip(self.heads, self.buckets, strict=True):
+            accumulated += bucket.get()
+            append(f"{head}{accumulated!r}\n")  # a count: finite, so repr() is the text format's number
+        append(f"{self.count_head}{accumulated!r}\n")
+        if self.sum_head is not None:
+            append(f"{self.sum_head}{_number(self.total.get())}\n")
+
+
+class _Samples:
+    """Any other child (Info, Enum, Summary, a set_function gauge): its own samples, formatted."""
+
+    __slots__ = ("child", "name", "pairs")
+
+    def __init__(self, child: Any, name: str, pairs: list[tuple[str, str]]) -> None:
+        self.child, self.name, self.pairs = child, name, pairs
+
+    def render(self, out: list[str]) -> None:
+        for suffix, labels, value, timestamp, *_ in self.child._child_samples():
+            if suffix == "_created":
+                continue
+            line = _head(self.name + suffix, [*self.pairs, *labels.items()]) + _number(value)
+            out.append(line + (f" {int(float(timestamp) * 1000):d}\n" if timestamp is not None else "\n"))
+
+
+def _child_renderer(child: Any, name: str, pairs: list[tuple[str, str]]) -> Any:
+    try:
+        if isinstance(child, Counter) and _own(child, Counter):
+            return _Scalar(child, _head(name + "_total", pairs))
+        if isinstance(child, Gauge) and _own(child, Gauge):
+            return _Scalar(child, _head(name, pairs))
+        if isinstance(child, Histogram) and _own(child, Histogram):
+            return _Buckets(child, name, pairs)
+    except AttributeError:  # another prometheus_client's internals: take the general path
+        pass
+    return _Samples(child, name, pairs)
+
+
+class _Family:
+    """A prometheus_client metric (a parent with labelled children, or one without labels)."""
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self.metric = metric
+        self.header = _header(metric._name, metric._type, metric._documentation)
+        self.parent = bool(metric._is_parent())
+        self.known: dict[tuple[str, ...], Any] = {}
+        self.children: list[Any] = []  # the child objects the renderers below were made for, in order
+        self.renderers: list[Any] = []
+        self.scalars: list[tuple[str, Any]] | None = None  # (head, value) when every child is a _Scalar
+        if not self.parent:
+            self._follow([((), metric)])
+
+    def render(self, out: list[str]) -> None:
+        out.append(self.header)
+        if self.parent:
+            metric = self.metric
+            with metric._lock:
+                children = list(metric._metrics.values())
+            if children != self.children:  # identity comparison: a child added, removed, or made again
+                with metric._lock:
+                    self._follow(list(metric._metrics.items()))
+        if self.scalars is not None:
+            out.extend([f"{head}{_number(value.get())}\n" for head, value in self.scalars])
+        else:
+            for renderer in self.renderers:
+                renderer.render(out)
+
+    def _follow(self, children: list[tuple[tuple[str, ...], Any]]) -> None:
+        metric, known, current = self.metric, self.known, {}
+        for values, child in children:
+            renderer = known.get(values)
+            if renderer is None or renderer.child is not child:
+                renderer = _child_renderer(child, metric._name, list(zip(metric._labelnames, values, strict=True)))
+            current[values] = renderer
+        self.known = current  # children removed from the metric are forgotten here
+        self.renderers = list(current.values())
+        self.children = [renderer.child for renderer in self.renderers]
+        scalar = all(isinstance(r, _Scalar) for r in self.renderers)
+        self.scalars = [(r.head, r.value) for r in self.renderers] if scalar else None
+
+
+def _render_collected(metric: Any, out: list[str]) -> None:
+    """One family from a collector's collect(), as generate_latest writes it (minus `_created`)."""
+    out.append(_header(metric.name, metric.type, metric.documentation))
+    late: dict[str, list[str]] = {}
+    for sample in metric.samples:
+        suffix = sample.name[len(metric.name) :] if sample.name.startswith(metric.name) else None
+        if suffix == "_created":
+            continue
+        pairs = sorted(sample.labels.items())
+        line = _head(sample.name, pairs) + _number(sample.value)
+        line += f" {int(float(sample.timestamp) * 1000):d}\n" if sample.timestamp is not None else "\n"
+        if suffix in ("_gsum", "_gcount"):  # gauge histograms: OpenMetrics-only samples, as gauges at the end
+            late.setdefault(suffix, []).append(line)
+        else:
+            out.append(line)
+    for suffix, lines in sorted(late.items()):
+        out.append(_header(metric.name + suffix, "gauge", metric.documentation))
+        out.extend(lines)
+
+
+class PageRenderer:
+    """Renders a registry (or any collector) in the Prometheus text format; thread-safe."""
+
+    def __init__(self, registry: CollectorRegistry | Any) -> None:
+        self._registry = registry
+        self._families: dict[Any, _Family] = {}
+        self._lock = threading.Lock()
+        # A CollectorRegistry is walked collector by collector; anything else through collect().
+        self._walk = all(hasattr(registry, a) for a in ("_lock", "_collector_to_names", "_target_info"))
+
+    def _collectors(self) -> tuple[list[Any], Any]:
+        registry = self._registry
+        with registry._lock:
+            collectors = list(registry._collector_to_names)
+            target_info = registry._target_info_metric() if registry._target_info else None
+        return collectors, target_info
+
+    def render(self) -> bytes:
+        """The whole page, UTF-8."""
+        out: list[str] = []
+        with self._lock:
+            if not self._walk:
+                for metric in self._registry.collect():
+                    _render_collected(metric, out)
+                return "".join(out).encode("utf-8")
+            collectors, target_info = self._collectors()
+            if target_info is not None:
+                _render_collected(target_info, out)
+            known, current = self._families, {}
+            for collector in collectors:
+                family = known.get(collector)
+                if family is None and isinstance(collector, MetricWrapperBase):
+                    family = _Family(collector)
+                if family is None:
+                    for metric in collector.collect():
+                        _render_collected(metric, out)
+                    continue
+                current[collector] = family
+                family.render(out)
+            self._families = current  # unregistered metrics are forgotten
+        return "".join(out).encode("utf-8")
+
+
+class CachedPage:
+    """A rendered page kept for `seconds` (0: rendered on every request); thread-safe.
+
+    Scrapes within one period share one render, so the scrape-time probes run at most once per
+    period however often the page is fetched. Concurrent requests for a stale page wait for the
+    one render instead of rendering it again. A render that raises is not cached.
+    """
+
+    def __init__(
+        self, render: Callable[[], bytes], seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"page cache seconds must be >= 0, got {seconds!r}")
+        self._render, self._seconds, self._clock = render, seconds, clock
+        self._page: bytes | None = None
+        self._compressed: bytes | None = None
+        self._rendered_at = 0.0
+        self._lock = threading.Lock()
+
+    def peek(self, compressed: bool = False) -> bytes | None:
+        """The page if it is fresh (and, if asked, already compressed), without waiting or rendering; else None."""
+        if not self._lock.acquire(blocking=False):
+            return None  # a render is under way
+        try:
+            if self._page is None or self._clock() - self._rendered_at >= self._seconds:
+                return None
+            return self._compressed if compressed else self._page
+        finally:
+            self._lock.release()
+
+    def get(self, compressed: bool = False) -> bytes:
+        """The page, fresh within the cache period; gzip-compressed when asked (compressed once per render)."""
+        with self._lock:
+            now = self._clock()
+            if self._page is None or now - self._rendered_at >= self._seconds:
+                self._page, self._compressed = self._render(), None
+                self._rendered_at = now
+            if not compressed:
+                return self._page
+            if self._compressed is None:
+                # Level 1: a tenth of level 9's CPU on these pages for most of its size reduction.
+                self._compressed = gzip.compress(self._page, compresslevel=1, mtime=0)
+            return self._compressed

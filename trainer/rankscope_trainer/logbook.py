@@ -1,0 +1,98 @@
+"""What a person (and a test) reads: a progress line every N steps and an optional JSONL log.
+
+Only rank 0 keeps a log. Per-step loss and accuracy stay device tensors
+until the next log line, where they become numbers in one transfer: the
+log costs one sync per `log_every` steps, not one per step.
+
+JSONL records (one object per line, appended): `{"type": "train", "step",
+"loss", "acc_i2t", "acc_t2i", "lr"}` per step, `{"type": "val", ...}` per
+validation, and events (`start`, `resume`, `checkpoint`, `checkpoint_failed`, `action`,
+`finished`).
+Non-finite numbers are written as null (JSON has no NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ProgressLog"]
+
+logger = logging.getLogger("rankscope_trainer")
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class ProgressLog:
+    def __init__(self, path: str, enabled: bool, max_steps: int, samples_per_step: int) -> None:
+        self.enabled = enabled
+        self.path = Path(path) if path and enabled else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_steps = max_steps
+        self.samples_per_step = samples_per_step
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    def restart_clock(self) -> None:
+        """Start timing from now (after setup, or after a pause), so throughput is not diluted."""
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    def record_step(self, step: int, loss: torch.Tensor, accuracy: torch.Tensor, lr: float) -> None:
+        if self.enabled:
+            self._pending.append((step, loss.detach().float().reshape(()), accuracy.detach().float(), lr))
+        self._window_steps += 1
+
+    def flush(self) -> None:
+        """Resolve the buffered steps (one transfer), append them to the JSONL log, print a progress line."""
+        if not self.enabled or not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([torch.cat([loss.reshape(1), acc]) for _, loss, acc, _ in pending]).tolist()
+        self.write_records(
+            {"type": "train", "step": step, "loss": _finite(v[0]), "acc_i2t": _finite(v[1]),
+             "acc_t2i": _finite(v[2]), "lr": lr}
+            for (step, _, _, lr), v in zip(pending, values, strict=True)
+        )  # fmt: skip
+        finite = [v for v in values if all(math.isfinite(x) for x in v)]
+        elapsed = time.perf_counter() - self._window_start
+        step_seconds = elapsed / max(1, self._window_steps)
+        step = pending[-1][0]
+        eta = timedelta(seconds=round(step_seconds * (self.max_steps - step)))
+        if finite:
+            loss = sum(v[0] for v in finite) / len(finite)
+            i2t = sum(v[1] for v in finite) / len(finite)
+            t2i = sum(v[2] for v in finite) / len(finite)
+            scores = f"loss {loss:.4f} | acc i2t {i2t:.3f} t2i {t2i:.3f}"
+        else:
+            scores = "loss non-finite"
+        logger.info(
+            "step %d/%d | %s | lr %.2e | %.1f ms/step | %.0f samples/s | ETA %s",
+            step, self.max_steps, scores, pending[-1][3], step_seconds * 1000,
+            self.samples_per_step / step_seconds if step_seconds else 0.0, eta,
+        )  # fmt: skip
+        self.restart_clock()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """An event record, written at once."""
+        if self.enabled:
+            self.write_records([{"type": kind, **fields}])
+
+    def write_records(self, records: Any) -> None:
+        if self.path is None:
+            return
+        now = time.time()
+        with self.path.open("a") as handle:
+            for record in records:
+                handle.write(json.dumps({**record, "time": round(now, 3)}) + "\n")
