@@ -1,46 +1,7 @@
 """The `rollback` action for the Hugging Face Trainer callback, on the Trainer's own `checkpoint-<N>` directories.
 
-What a rollback does, on every process at the same step boundary (inside on_step_end):
-
-- Picks the newest `checkpoint-<N>` directory in `args.output_dir` with N < `request.before_step`. Every
-  process lists the directory itself and all compare their choice (one small all-gather) before anything
-  changes: a process that sees another checkpoint, or none, makes it `refused_unavailable` everywhere.
-- Loads it into the live objects with the Trainer's own loaders (`_load_from_checkpoint`,
-  `_load_optimizer_and_scheduler`, `_load_scaler`, `_load_rng_state`): model weights, optimizer, scheduler,
-  gradient scaler and this process's RNG state. Then `state.global_step = N`, the Trainer's logging counters
-  restart at N (the loss of the dropped steps is not logged), and the learning rates are multiplied by
-  `request.lr_factor` if it is not 1. Learning-rate reductions made after the checkpoint are undone with it.
-- Skips data. The Trainer's data iterator is not rewound: the batches trained between the checkpoint and
-  now are not trained again, and they are the start of the skipped window. When `request.window(N)` asks
-  for more, the accelerate `DataLoaderShard` being iterated drops that many more batches (they are loaded
-  and thrown away, never trained), continuing into the next epoch if needed. One batch is the data of one
-  optimizer step (`gradient_accumulation_steps` micro-batches). Not possible, so `refused_unavailable`:
-  fewer than the batches already trained since the checkpoint (an explicit `skip_batches`: the data cannot
-  be replayed), a skip reaching past the next epoch, a data loader that is not a `DataLoaderShard` when
-  more is asked, an epoch that is not a whole number of accumulation steps when a skip ends inside one
-  (its last, short step would never be taken), DeepSpeed or FSDP, checkpoints without optimizer state
-  (`save_only_model`), or a callback added without `RankscopeCallback.attach(trainer)`.
-- Records what was skipped: `rankscope_skipped_batches_total`, one warning line per process, an entry
-  appended to `<output_dir>/rankscope-rollbacks.json`. The checkpoints of the abandoned trajectory (steps
-  above N) are moved to `<output_dir>/rankscope-rolled-back/rollback-<k>-at-step-<step>/`, so that neither
-  a later rollback, `resume_from_checkpoint=True` nor `save_total_limit` mistakes them for the run's newest.
-  The Trainer fixes the number of epochs when train() starts: a run whose data ends before max_steps ends
-  with its global_step lower by the batches skipped.
-
-The data position: every checkpoint the Trainer writes gets `rankscope.json` beside its files, with its
-global step and how many batches of data the run had consumed by then (trained plus skipped).
-
-Resuming a run that rolled back: the Trainer's own fast-forward skips `global_step` batches, which after a
-rollback is fewer than the run consumed, so it trains on skipped batches again; the callback cannot change
-that (the Trainer fetches the first batches before any callback event), and warns. Resume with
-`TrainingArguments(ignore_data_skip=True)` instead: the Trainer then does not fast-forward, and the callback
-moves the data to the position recorded in `checkpoint-<M>/rankscope.json` (it looks in `args.output_dir`
-only, for M = the resumed global_step), which skips the window again. Where no rollback skipped data before
-M, ignore_data_skip keeps its meaning: the data is not moved. It can when that position is in the
-epoch the Trainer starts in (`global_step // steps per epoch`); otherwise it goes to `global_step` like the
-Trainer would, and warns.
-
-`reduce_micro_batch` is not possible from a callback with this Trainer: see `micro_batch_unavailable`.
+The user guide (what a rollback does, the data position, resuming a run that rolled back) is
+docs/integrations.md, "Rollback under the Hugging Face Trainer".
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""The README stays a five-minute read, every link in it and in docs/ resolves, and the metrics page is current."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def test_the_readme_is_short():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page: Path):
+    broken = []
+    for target in _LINK.findall(re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(REPO)}: {broken}"
+
+
+def test_the_metrics_page_is_generated_from_the_contract():
+    result = subprocess.run(
+        [sys.executable, "-m", "devstack.metrics_doc", "--check"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
