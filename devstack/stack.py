@@ -1,6 +1,6 @@
 """The whole stack without Docker: Prometheus, Alertmanager and a trainer under torchrun.
 
-    python -m devstack.stack                    # `make demo`: 2 CPU ranks of trainer/rankscope_trainer/configs/demo.yaml
+    python -m devstack.stack     # `make demo`: 2 CPU ranks of trainer/rankscope_trainer/configs/demo.yaml
     python -m devstack.stack --nproc 4 --steps 2000 --set faults.straggler.rank=1
 
 It runs the ``prometheus`` and ``prometheus-alertmanager`` binaries of the

@@ -1,4 +1,7 @@
-"""rankscope.report.attention: reading the attention maps the reference trainer saves (rankscope_trainer.attention_maps)."""
+"""rankscope.report.attention: reading the attention maps the reference trainer saves.
+
+(The trainer side is rankscope_trainer.attention_maps.)
+"""
 
 from __future__ import annotations
 

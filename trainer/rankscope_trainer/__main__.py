@@ -1,6 +1,7 @@
 """Entry point of the reference trainer.
 
-    torchrun --nproc_per_node=N -m rankscope_trainer --config trainer/rankscope_trainer/configs/demo.yaml [--set k=v ...] [--resume auto]
+    torchrun --nproc_per_node=N -m rankscope_trainer \
+        --config trainer/rankscope_trainer/configs/demo.yaml [--set k=v ...] [--resume auto]
 
 Also runs without torchrun (`python -m rankscope_trainer ...`) as a single rank.
 Bad input (config, manifest, checkpoint) and a start-up that cannot work (no

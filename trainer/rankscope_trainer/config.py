@@ -1,6 +1,8 @@
 """The trainer's one YAML schema: a dataclass per section, checked at start.
 
-    cfg = load_config("trainer/rankscope_trainer/configs/demo.yaml", overrides=["optim.lr=3e-4", "faults.straggler.rank=1"])
+    cfg = load_config(
+        "trainer/rankscope_trainer/configs/demo.yaml", overrides=["optim.lr=3e-4", "faults.straggler.rank=1"]
+    )
 
 Sections: `run`, `metrics` (the exporter's MonitorConfig), `control` (the
 exporter's ControlConfig), `checkpoint`, `data`, `model`, `optim`, `faults`.

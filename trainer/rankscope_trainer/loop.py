@@ -143,7 +143,8 @@ class Trainer:
         self.sample_in_epoch = 0
         """The data position: samples of this rank's epoch share already trained on (or skipped)."""
         self.skips: list[SkipRecord] = []
-        """Data windows that rollbacks skipped, applied again by a run resumed before them (`rankscope_trainer.skips`)."""
+        """Data windows that rollbacks skipped, applied again by a run resumed before them
+        (`rankscope_trainer.skips`)."""
         self._timeline: list[tuple[int, Path]] = []
         """(step, path) of the checkpoints this run's current history passed through: what rollback may load."""
         self._reposition = False

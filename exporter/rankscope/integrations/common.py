@@ -1,4 +1,5 @@
-"""What rankscope's framework callbacks (rankscope.integrations.hf.callback, rankscope.integrations.lightning.callback) share.
+"""What rankscope's framework callbacks share (rankscope.integrations.hf.callback and
+rankscope.integrations.lightning.callback).
 
 Each holds a Monitor and, with `control`, a ControlChannel that live until `close()`, and runs its
 own work inside `_guard()`: monitoring must never break training, so a failure is counted in
