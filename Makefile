@@ -21,9 +21,11 @@ report: bootstrap
 test: bootstrap
 	.venv/bin/python -m pytest
 
+# ruff on the whole tree; mypy on the shipped packages (configured in pyproject.toml's [tool.mypy]).
 lint: bootstrap
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 dashboards: bootstrap
 	.venv/bin/python -m rankscope.mixin.dashboards.generate
