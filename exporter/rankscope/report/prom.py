@@ -1,4 +1,4 @@
-"""A small client of the Prometheus HTTP API (`/api/v1/query`, `/api/v1/query_range`).
+"""A small client of the Prometheus HTTP API (`/api/v1/query`, `/api/v1/query_range`, any other path).
 
 Works against Prometheus and Prometheus-compatible stores (VictoriaMetrics,
 Thanos, Mimir, ...). Every failure is a :class:`ReportError` with one line that
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import requests
 
+from rankscope._requests import request_failure
 from rankscope.report.errors import ReportError
 from rankscope.report.series import Series
 
@@ -19,18 +21,6 @@ __all__ = ["Prometheus"]
 
 #: Prometheus refuses range queries of more points than this per series.
 MAX_POINTS = 11000
-
-
-def _reason(exc: requests.RequestException) -> str:
-    """The innermost cause of a requests failure, in a few words ("connection refused")."""
-    text = str(exc)
-    for known in ("Connection refused", "Name or service not known", "No route to host", "timed out"):
-        if known.lower() in text.lower():
-            return known.lower()
-    cause: BaseException | None = exc
-    while cause is not None and cause.__cause__ is not None:
-        cause = cause.__cause__
-    return " ".join(str(cause or exc).split())[:160]
 
 
 class Prometheus:
@@ -43,14 +33,14 @@ class Prometheus:
         self.timeout = timeout
         self._session = session or requests.Session()
 
-    def _get(self, path: str, params: dict[str, Any]) -> Any:
+    def api(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        """The `data` of a successful GET of any API path (`/api/v1/alerts`, `/api/v1/rules`, ...)."""
+        params = params or {}
         where = f"{self.url}{path}"
         try:
             answer = self._session.get(where, params=params, timeout=self.timeout)
-        except requests.Timeout:
-            raise ReportError(f"Prometheus at {self.url} did not answer within {self.timeout:.0f}s") from None
         except requests.RequestException as exc:
-            raise ReportError(f"cannot reach Prometheus at {self.url}: {_reason(exc)}") from None
+            raise ReportError(request_failure(exc, f"Prometheus at {self.url}", self.timeout)) from None
         try:
             body = answer.json()
         except ValueError:
@@ -81,10 +71,10 @@ class Prometheus:
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        data = self._get("/api/v1/query", params)
+        data = self.api("/api/v1/query", params)
         kind = data.get("resultType")
         if kind == "scalar":
-            return [Series({}, [float(data["result"][0])], [float(data["result"][1])])]
+            return [Series({}, np.array([float(data["result"][0])]), np.array([float(data["result"][1])]))]
         return [Series.from_prometheus(item) for item in data.get("result", [])]
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[Series]:
@@ -95,7 +85,7 @@ class Prometheus:
         if points > MAX_POINTS:
             raise ValueError(f"{points:.0f} points per series is over Prometheus's limit of {MAX_POINTS}")
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}
-        data = self._get("/api/v1/query_range", params)
+        data = self.api("/api/v1/query_range", params)
         return [Series.from_prometheus(item) for item in data.get("result", [])]
 
     def scalar(self, expr: str, at: float | None = None) -> float | None:
