@@ -44,7 +44,7 @@ def test_the_cli_has_one_command_per_action_with_its_parameters():
     for spec in CATALOG:
         options = {option for a in commands[spec.command]._actions for option in a.option_strings}
         assert {p.option for p in spec.parameters} <= options, spec.name
-    assert set(commands) == {spec.command for spec in CATALOG} | {"status", "health"}
+    assert set(commands) == {spec.command for spec in CATALOG} | {"status", "health", "stacks"}
 
 
 def test_the_openapi_document_declares_the_actions_parameters_and_results():

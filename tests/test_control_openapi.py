@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rankscope.control.actions import ACTIONS, RESULTS, ActionRequest
 from rankscope.control.app import _REASONS, ROUTES, AppDeps, create_app
-from rankscope.control.state import ActionQueue, RunSnapshot
+from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
 
 SPEC = yaml.safe_load((Path(rankscope.control.__file__).parent / "openapi.yaml").read_text())
 TOKEN = "spec-token"
@@ -48,8 +48,20 @@ def documented() -> set[tuple[str, str, int]]:
     }
 
 
+def _stacks(local: bool) -> dict:
+    return {"summary": "rank 0: main in x.py:1", "groups": [{"ranks": [0], "headline": "main in x.py:1", "stacks": ""}]}
+
+
+def _immediate(request):
+    record = ActionRecord("r-1", request.action, request.source, request.reason, {}, 0.0)
+    return record, False
+
+
 def fresh_app(max_pending: int = 64):
-    deps = AppDeps(ActionQueue(max_pending=max_pending), RunSnapshot(), TOKEN, max_body_bytes=2048)
+    deps = AppDeps(
+        ActionQueue(max_pending=max_pending), RunSnapshot(), TOKEN, max_body_bytes=2048, stacks=_stacks,
+        immediate=_immediate,
+    )  # fmt: skip
     return create_app(deps), deps
 
 
@@ -83,6 +95,10 @@ RECIPES: dict[tuple[str, str, int], dict] = {
     ("/v1/status", "GET", 401): {"headers": {}},
     ("/v1/status", "GET", 403): {"headers": {"Authorization": "Bearer nope"}},
     ("/v1/status", "GET", 405): _wrong_method("/v1/status"),
+    ("/v1/stacks", "GET", 200): {},
+    ("/v1/stacks", "GET", 401): {"headers": {}},
+    ("/v1/stacks", "GET", 403): {"headers": {"Authorization": "Bearer nope"}},
+    ("/v1/stacks", "GET", 405): _wrong_method("/v1/stacks"),
 }
 for _path, _good, _status, _meaning in (
     ("/v1/actions", {"action": "pause"}, 202, {"action": "explode"}),

@@ -3,6 +3,7 @@
     rankscope-ctl status
     rankscope-ctl reduce-lr --factor 0.5 --reason "loss plateau" --wait 60
     rankscope-ctl pause
+    rankscope-ctl stacks          # every rank's Python stacks, identical ones folded together
     rankscope-ctl --url http://10.0.0.5:9300 --token-file ~/.rankscope-token stop
 
 The token comes from --token-file, else from the environment variable named by
@@ -24,8 +25,10 @@ from typing import Any, NoReturn
 
 import requests
 
+from rankscope._requests import request_failure
 from rankscope.control.catalog import CATALOG, Parameter
 from rankscope.control.config import DEFAULT_TOKEN_ENV, ControlConfig, load_token
+from rankscope.control.stacks import format_ranks
 
 __all__ = ["main"]
 
@@ -91,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.add_parser("status", help="print the run's status as JSON")
     commands.add_parser("health", help="check that the endpoint answers")
+    stacks = commands.add_parser("stacks", help="print every rank's Python stacks, identical ones folded together")
+    stacks.add_argument("--summary", action="store_true", help="only the one line naming each group's frame")
     for name, spec in _ACTION_COMMANDS.items():
         sub = commands.add_parser(name, help=spec.help)
         sub.add_argument("--reason", default="", help="recorded with the outcome (and in checkpoints)")
@@ -128,6 +133,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "status":
         print(json.dumps(client.call("GET", "/v1/status"), indent=2))
         return 0
+    if args.command == "stacks":
+        answer = client.call("GET", "/v1/stacks")
+        print(answer["summary"])
+        if not args.summary:
+            for group in answer["groups"]:
+                print(f"\n=== {format_ranks(group['ranks'])} ===\n{group['stacks']}")
+        return 0
     spec = _ACTION_COMMANDS[args.command]
     action = spec.name
     body: dict[str, Any] = {"action": action, "reason": args.reason}
@@ -137,6 +149,10 @@ def _run(args: argparse.Namespace) -> int:
         body["params"] = params
     accepted = client.call("POST", "/v1/actions", body)
     action_id = accepted["id"]
+    if accepted.get("status", "pending") != "pending":  # an immediate action (restart) settled at once
+        detail = f" ({accepted['detail']})" if accepted.get("detail") else ""
+        print(f"{action} {action_id}: {accepted['status']}{detail}")
+        return 0 if accepted["status"] in ("applied", "noop") else 1
     print(f"accepted {action} as {action_id}")
     if args.wait is None:
         return 0
@@ -179,12 +195,9 @@ class _Client:
         url = self.base + path
         try:
             response = requests.request(method, url, json=body, headers=self._headers, timeout=self._timeout)
-        except requests.ConnectionError:
-            raise CliError(f"cannot reach {self.base} (is the job running, and is this its control port?)") from None
-        except requests.Timeout:
-            raise CliError(f"{self.base} did not answer within {self._timeout:g}s") from None
         except requests.RequestException as exc:
-            raise CliError(f"request to {url} failed: {exc}") from None
+            hint = "is the job running, and is this its control port?"
+            raise CliError(request_failure(exc, self.base, self._timeout, unreachable=hint)) from None
         try:
             data = response.json()
         except ValueError:

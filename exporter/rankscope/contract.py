@@ -351,6 +351,13 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m("paused", _G, "1 while training is paused by a control action, else 0.", source="control"),
+    _m(
+        "restart_lost_steps_total",
+        _C,
+        "Training steps lost to control restarts: those completed after the newest checkpoint when the group "
+        "exited, counted on rank 0 by the incarnation that trained again.",
+        source="control",
+    ),
 )
 
 #: name -> spec, in declaration order.

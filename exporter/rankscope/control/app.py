@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rankscope.control.actions import RequestError, _short, parse_action_body
+from rankscope.control.actions import ActionRequest, RequestError, _short, parse_action_body
 from rankscope.control.alerts import parse_alert_payload
-from rankscope.control.state import ActionQueue, RunSnapshot
+from rankscope.control.catalog import action_spec
+from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot, Submitted
 
 __all__ = ["AppDeps", "ROUTES", "create_app"]
 
@@ -37,6 +38,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/status": ("GET",),
     "/v1/actions": ("POST",),
     "/v1/alerts": ("POST",),
+    "/v1/stacks": ("GET",),
 }
 #: Liveness says nothing about the run, so probes need no token.
 _PUBLIC = frozenset({"/healthz"})
@@ -77,6 +79,10 @@ class AppDeps:
     max_body_bytes: int = 1_048_576
     count: Callable[[str, str, str], None] = lambda action, source, result: None
     """Counts an outcome (rankscope_control_actions_total{action, source, result})."""
+    stacks: Callable[[bool], dict[str, Any]] | None = None
+    """GET /v1/stacks: every rank's stacks, folded (False), or this rank's only (True, `?local=1`)."""
+    immediate: Callable[[ActionRequest], tuple[ActionRecord, bool]] | None = None
+    """Carries out an `immediate` action (restart) now: (its record, whether it is a duplicate)."""
 
 
 class _Answer(Exception):
@@ -131,6 +137,10 @@ def _handle(deps: AppDeps, environ: dict[str, Any], body: _Body) -> _Answer:
         return _Answer(200, {"status": "ok"})
     if path == "/v1/status":
         return _Answer(200, _status(deps))
+    if path == "/v1/stacks":
+        if deps.stacks is None:
+            raise _Answer(404, {"error": "this endpoint serves no stacks"})
+        return _Answer(200, deps.stacks("local=1" in environ.get("QUERY_STRING", "").split("&")))
     document = body.read_json(deps.max_body_bytes)
     try:
         if path == "/v1/actions":
@@ -158,6 +168,10 @@ def _authorize(token: str | None, header: str | None) -> None:
 
 def _post_action(deps: AppDeps, document: Any) -> _Answer:
     request = parse_action_body(document)
+    if _is_immediate(request):
+        record, _ = _immediate(deps, request)
+        body = {"id": record.id, "action": request.action, "status": record.status}
+        return _Answer(202, {**body, "detail": record.detail} if record.detail else body)
     submitted = deps.queue.submit([request])[0]
     logger.info("rankscope: control accepted %s (%s) as %s", request.action, request.reason, submitted.id)
     return _Answer(202, {"id": submitted.id, "action": request.action, "status": "pending"})
@@ -165,7 +179,15 @@ def _post_action(deps: AppDeps, document: Any) -> _Answer:
 
 def _post_alerts(deps: AppDeps, document: Any) -> _Answer:
     batch = parse_alert_payload(document, deps.run_id)
-    submitted = deps.queue.submit(batch.requests)
+    at_boundary = [request for request in batch.requests if not _is_immediate(request)]
+    queued = iter(deps.queue.submit(at_boundary))  # never an immediate one: it would wait for a boundary
+    submitted = []
+    for request in batch.requests:
+        if _is_immediate(request):
+            record, duplicate = _immediate(deps, request)
+            submitted.append(Submitted(record.id, duplicate))
+        else:
+            submitted.append(next(queued))
     # Counted only now: a refused notification changes nothing, metrics included.
     if batch.truncated:
         logger.warning(
@@ -185,6 +207,17 @@ def _post_alerts(deps: AppDeps, document: Any) -> _Answer:
         deps.count(action, "alert", "ignored")
     body = {"accepted": accepted, "duplicates": duplicates, "ignored": len(batch.ignored), "truncated": batch.truncated}
     return _Answer(202 if accepted else 200, body)
+
+
+def _is_immediate(request: ActionRequest) -> bool:
+    spec = action_spec(request.action)
+    return spec is not None and spec.immediate
+
+
+def _immediate(deps: AppDeps, request: ActionRequest) -> tuple[ActionRecord, bool]:
+    if deps.immediate is None:
+        raise RequestError(422, f"{request.action} needs the control channel's endpoint; this one cannot do it")
+    return deps.immediate(request)
 
 
 def _status(deps: AppDeps) -> dict[str, Any]:

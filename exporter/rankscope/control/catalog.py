@@ -1,11 +1,12 @@
 """Every control action, declared once: its name, parameters and bounds, limits, and who may ask for it.
 
 The control endpoint's checks (`actions`, `alerts`), the CLI's commands (`rankscope.cli`), the
-cooldowns and caps (`limits`), the OpenAPI document and the rule generator's alert labels are
-built from this table or tested against it; the channel holds one behaviour per name. Adding an
+cooldowns and caps (`limits`), the OpenAPI document and the rule pack's `action` labels and
+Alertmanager route are built from this table or tested against it; the channel holds one behaviour per name. Adding an
 action is a row here plus its behaviour in `ControlChannel`.
 
-No torch here: `rankscope-ctl` and `exporter/rankscope/mixin/rules.py` import it.
+No torch here: `rankscope-ctl` and the rule pack (`rankscope.mixin`) import it. Which alert asks for
+which action is the rule pack's to say (`rankscope.mixin.config.ACTION_TUNABLES`): no alert is named here.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ class ActionSpec:
     help: str
     """One line, for the CLI and the OpenAPI document."""
     parameters: tuple[Parameter, ...] = ()
-    alerts: tuple[str, ...] = ()
-    """Shipped alerts that may carry it as their `action` label (operators may always ask)."""
     cooldown_steps: str = ""
     cooldown_seconds: str = ""
     cap: str = ""
     """ControlConfig fields of its limits ("" = none)."""
+    immediate: bool = False
+    """Carried out at once from rank 0's endpoint thread, never at a step boundary (a hung rank never
+    reaches one): it must never enter the boundary exchange."""
 
     def parameter(self, name: str) -> Parameter | None:
         return next((p for p in self.parameters if p.name == name), None)
@@ -120,7 +122,6 @@ CATALOG: tuple[ActionSpec, ...] = (
         "checkpoint",
         "checkpoint",
         "write a checkpoint at the next step boundary",
-        alerts=("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh"),
         cooldown_steps="checkpoint_cooldown_steps",
         cooldown_seconds="checkpoint_cooldown_seconds",
     ),
@@ -129,7 +130,6 @@ CATALOG: tuple[ActionSpec, ...] = (
         "reduce-lr",
         "multiply every learning rate by a factor",
         parameters=(LR_FACTOR,),
-        alerts=("RankscopeLossDiverging", "RankscopeNonFiniteSteps"),
         cooldown_steps="lr_cooldown_steps",
         cooldown_seconds="lr_cooldown_seconds",
         cap="lr_max_reductions",
@@ -139,7 +139,6 @@ CATALOG: tuple[ActionSpec, ...] = (
         "rollback",
         "load the newest checkpoint before the incident on every rank, then skip the data that followed it",
         parameters=(BEFORE_STEP, SKIP_BATCHES, ROLLBACK_LR_FACTOR),
-        alerts=("RankscopeLossDiverging", "RankscopeNonFiniteSteps"),
         cooldown_steps="rollback_cooldown_steps",
         cooldown_seconds="rollback_cooldown_seconds",
         cap="rollback_max",
@@ -148,7 +147,6 @@ CATALOG: tuple[ActionSpec, ...] = (
         "reduce_micro_batch",
         "reduce-micro-batch",
         "halve the micro-batch and double gradient accumulation on every rank (same global batch)",
-        alerts=("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh", "RankscopeSlowSteps"),
         cooldown_steps="micro_batch_cooldown_steps",
         cooldown_seconds="micro_batch_cooldown_seconds",
         cap="micro_batch_max_reductions",
@@ -156,6 +154,15 @@ CATALOG: tuple[ActionSpec, ...] = (
     ActionSpec("pause", "pause", "hold every rank at the next step boundary"),
     ActionSpec("resume", "resume", "continue a paused job"),
     ActionSpec("stop", "stop", "checkpoint, then leave the loop on every rank"),
+    ActionSpec(
+        "restart",
+        "restart",
+        "at once, without a step boundary: write every rank's stacks, then exit every rank with status 75 so that "
+        "torchrun --max-restarts restarts the group from its newest checkpoint",
+        cooldown_seconds="restart_cooldown_seconds",
+        cap="restart_max",
+        immediate=True,
+    ),
 )
 
 #: Outcomes: the `result` label of rankscope_control_actions_total and `status` of a settled action.
@@ -166,7 +173,7 @@ RESULTS: dict[str, str] = {
     "refused_cap": "the action's cap (e.g. lr_max_reductions) is reached",
     "refused_floor": "reduce_lr with every learning rate already at its floor",
     "refused_unavailable": "the loop cannot do it in its state: no checkpoint before the incident (rollback), "
-    "a micro-batch that cannot be halved (reduce_micro_batch); nothing changed",
+    "a micro-batch that cannot be halved (reduce_micro_batch), no restart left (restart); nothing changed",
     "unsupported": "the loop does not implement this action (its handler has no such method); nothing changed",
     "overridden": "carried out, but its effect did not happen (e.g. the loop overwrote a reduced learning rate)",
     "failed": "some rank raised while carrying it out, or the loop reported it not done",

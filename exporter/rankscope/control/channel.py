@@ -68,7 +68,10 @@ from rankscope.control.lr import (
     restore_references,
     scale_learning_rates,
 )
+from rankscope.control.peer import create_peer_app
 from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
+from rankscope.control.restart import Restarter
+from rankscope.control.stacks import fold, gather, own_stacks, render
 from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
 from rankscope.control.stops import StopSignals, first_reason
 from rankscope.identity import RankIdentity
@@ -161,6 +164,11 @@ class ControlChannel:
         # Rank 0: (unix time, step) at each boundary, to turn an alert's startsAt into a step.
         self._history: deque[tuple[float, int]] = deque(maxlen=_HISTORY_STEPS)
         self._boundary_step = 0
+        # `restart` and GET /v1/stacks: every other rank's peer endpoint (rank 0 knows their URLs).
+        self._restarter: Restarter | None = None
+        self._peer_server: ControlServer | None = None
+        self._peer_urls: dict[int, str] = {}
+        self._token: str | None = None
         if not self.config.enabled:
             return
         self._instruments.child(PREFIX + "paused").set(0)
@@ -171,6 +179,8 @@ class ControlChannel:
             self._group = self._new_group()
         error = self._start_server(identity.run_id) if self.rank == 0 and self.config.endpoint else ""
         self._agree_on_start(error)
+        if self.config.endpoint:
+            self._meet_peers()
         self._signals = StopSignals(self.config.handle_signals, self.config.stop_when_orphaned)
 
     # --- public ------------------------------------------------------------------
@@ -210,6 +220,8 @@ class ControlChannel:
             self.snapshot.update(step=step, learning_rates=current_learning_rates(self._optimizer))
             if not self._history or self._history[-1][1] != step:
                 self._history.append((time.time(), step))
+            if self._restarter is not None:
+                self._restarter.after_step(step)  # a restarted group's first step settles its restart
         if step % self.config.check_every_n_steps:
             return []
         applied = self._exchange(step, handler)
@@ -249,6 +261,9 @@ class ControlChannel:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._peer_server is not None:
+            self._peer_server.close()
+            self._peer_server = None
         if self._signals is not None:
             self._signals.close()
             self._signals = None
@@ -283,6 +298,12 @@ class ControlChannel:
                     f"{self.config.token_env or 'RANKSCOPE_CONTROL_TOKEN'} environment variable "
                     "(or control.insecure: true on a trusted network)"
                 )
+            self._token = token
+            self._restarter = Restarter(
+                self.config, self.queue, self.snapshot, peers=lambda: self._peer_urls, token=token, count=self._count,
+                lost=self._count_lost_steps,
+            )  # fmt: skip
+            self._instruments.child(PREFIX + "restart_lost_steps_total")  # at 0, so increase() sees the first loss
             deps = AppDeps(
                 self.queue,
                 self.snapshot,
@@ -291,6 +312,8 @@ class ControlChannel:
                 world_size=self.world_size,
                 max_body_bytes=self.config.max_body_bytes,
                 count=self._count,
+                stacks=self._stacks,
+                immediate=self._restarter.submit,
             )
             self._server = serve_control(create_app(deps), self.config.host, self.config.port)
         except (ValueError, OSError, RuntimeError) as exc:
@@ -311,6 +334,39 @@ class ControlChannel:
             error = broadcast_json(error or None, self._group, self.rank) or ""
         if error:
             raise ControlStartError(error if self.rank == 0 else f"control endpoint failed on rank 0: {error}")
+
+    def _meet_peers(self) -> None:
+        """Every other rank serves its peer endpoint (stacks, exit) and rank 0 learns where. A rank whose
+        endpoint cannot start trains on; rank 0 names it as having no stacks."""
+        url = None
+        if self.rank != 0:
+            try:
+                token = load_token(self.config)
+                if token is not None or self.config.insecure:
+                    self._peer_server = serve_control(create_peer_app(self.rank, token), self.config.host, 0)
+                    url = self._peer_server.url
+            except (ValueError, OSError, RuntimeError) as exc:
+                logger.warning("rankscope: rank %d serves no stacks: %s", self.rank, exc)
+        if not self._distributed:
+            return
+        urls: list[Any] = [None] * self.world_size
+        dist.all_gather_object(urls, url, group=self._group)
+        self._peer_urls = {rank: u for rank, u in enumerate(urls) if rank != 0 and u}
+
+    def _stacks(self, local: bool) -> dict[str, Any]:
+        """GET /v1/stacks on rank 0: this rank's, or every rank's gathered over HTTP and folded."""
+        mine = own_stacks(self.rank)
+        if local:
+            return mine
+        by_rank = {self.rank: mine, **gather(self._peer_urls, self._token)}
+        for rank in range(self.world_size):
+            by_rank.setdefault(rank, {"error": "this rank's endpoint did not start"})
+        folded = fold(by_rank)
+        groups = [{"ranks": list(g.ranks), "headline": g.headline, "stacks": g.text} for g in folded]
+        return {"summary": render(folded, full=False), "groups": groups}
+
+    def _count_lost_steps(self, steps: int) -> None:
+        self._instruments.child(PREFIX + "restart_lost_steps_total").inc(steps)
 
     def _initial_references(self) -> list[float]:
         """Each group's reference rate for the relative floor: its scheduler's initial rate if it has one."""
@@ -360,6 +416,10 @@ class ControlChannel:
         """Rank 0: what to broadcast; refusals are settled here and never reach other ranks."""
         chosen = []
         for record in self.queue.take():
+            spec = action_spec(record.action)
+            if spec is not None and spec.immediate:  # never here (the endpoint carries them out); never hang on one
+                self._settle(record, "failed", step, f"{record.action} reached the step boundary; it is immediate")
+                continue
             refusal = self._limits.check(record.action, step)
             if refusal is None and record.action == "reduce_lr":
                 if self._optimizer is None:
@@ -551,7 +611,12 @@ class ControlChannel:
             "pause": self._pause,
             "resume": self._resume,
             "stop": self._stop,
+            "restart": self._restart_at_boundary,
         }
+
+    def _restart_at_boundary(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
+        # `restart` is carried out by rank 0's endpoint thread (restart.Restarter), never broadcast.
+        return _FAILED, "restart is immediate and is never carried out at a step boundary"
 
     def _unstop(self) -> None:
         """A stop that did not happen: the run is not stopping, and takes requests again."""

@@ -85,6 +85,15 @@ class ControlConfig:
     micro_batch_max_reductions: int = 3
     """At most this many applied `reduce_micro_batch` per run (0 = no cap)."""
 
+    restart_cooldown_seconds: float = 600.0
+    """Seconds after a `restart` (its exit) during which another is refused (0 = none); kept across the
+    restart in state_dir."""
+    restart_max: int = 3
+    """At most this many applied `restart` per run (0 = no cap); torchrun's --max-restarts also bounds it."""
+    state_dir: str = ""
+    """Directory for what must outlive the process: a `restart` in flight (rankscope-restart.json) and the
+    stacks it writes. Give the run's checkpoint directory; "" refuses `restart` (refused_unavailable)."""
+
     def __post_init__(self) -> None:
         check_host("control.host", self.host)
         check_port("control.port", self.port)
@@ -96,7 +105,7 @@ class ControlConfig:
         at_least("control.lr_max_reductions", self.lr_max_reductions, 0)
         at_least("control.checkpoint_cooldown_steps", self.checkpoint_cooldown_steps, 0)
         for name in ("rollback_margin_batches", "rollback_cooldown_steps", "rollback_max",
-                     "micro_batch_cooldown_steps", "micro_batch_max_reductions"):  # fmt: skip
+                     "micro_batch_cooldown_steps", "micro_batch_max_reductions", "restart_max"):  # fmt: skip
             at_least(f"control.{name}", getattr(self, name), 0)
         if not 0.0 < self.pause_heartbeat_seconds <= 10.0:
             raise ValueError(
@@ -107,7 +116,8 @@ class ControlConfig:
         if not 0.0 < self.lr_floor_ratio < 1.0:
             raise ValueError(f"control.lr_floor_ratio must be between 0 and 1 (exclusive), got {self.lr_floor_ratio!r}")
         for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds",
-                     "rollback_cooldown_seconds", "micro_batch_cooldown_seconds"):  # fmt: skip
+                     "rollback_cooldown_seconds", "micro_batch_cooldown_seconds",
+                     "restart_cooldown_seconds"):  # fmt: skip
             value = getattr(self, name)
             if not value >= 0.0:  # also catches NaN
                 raise ValueError(f"control.{name} must be >= 0, got {value!r}")

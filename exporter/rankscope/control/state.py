@@ -172,6 +172,13 @@ class ActionQueue:
                 self._stopping = True
             return record
 
+    def adopt(self, record: ActionRecord) -> ActionRecord:
+        """A request taken by an earlier incarnation of this run (a `restart` in flight across the exit):
+        pending in status until settled here."""
+        with self._lock:
+            self._taken[record.id] = record
+        return record
+
     def note(self, record: ActionRecord, detail: str) -> ActionRecord:
         """Attach a one-line detail to a taken, not yet settled request (e.g. what it waits for)."""
         noted = replace(record, detail=detail)
