@@ -49,6 +49,24 @@ class MonitorConfig:
     """Goes into rankscope_run_info."""
     config_hash: str = ""
     """Goes into rankscope_run_info (e.g. a hash of the training config)."""
+    goodput: bool = True
+    """Rank 0 accounts the job's wall time by bucket (rankscope_goodput_seconds_total; docs/goodput.md)."""
+    goodput_dir: str = ""
+    """The run's state directory (where its checkpoints are): the goodput ledger is kept there, so the job's
+    accounting continues across restarts and resumes. "" keeps it in memory (this process only)."""
+    goodput_flush_seconds: float = 1.0
+    """How often rank 0 writes the ledger (a background thread): a crash loses at most this much accounting."""
+    hang_seconds: float = 120.0
+    """A gap between steps (outside checkpoint, validation and pauses) longer than this is a hang beyond it."""
+    count_flops: bool = False
+    """Count the model FLOPs of the first step with torch's FlopCounterMode (it runs every op unchanged) and
+    count that many per step in rankscope_model_flops_total. Ignored when flops_per_step is given."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of one step on this rank, if known (0: unknown, or counted with count_flops)."""
+    peak_flops: float = 0.0
+    """The device's peak FLOP/s for MFU (0: from rankscope.flops.PEAK_FLOPS for a known CUDA device, else none)."""
+    compute_dtype: str = "bf16"
+    """The dtype the model's matrix products run in (bf16, fp16, tf32, fp32): picks the table's peak."""
     page_cache_seconds: float = 1.0
     """The rendered /metrics page is reused for this long, so the page is rendered and the probes run
     at most once per period however often it is scraped (a scrape may see values this much older).
@@ -65,6 +83,16 @@ class MonitorConfig:
         cache = self.page_cache_seconds
         if isinstance(cache, bool) or not isinstance(cache, int | float) or not 0 <= cache <= 3600:
             raise ValueError(f"metrics.page_cache_seconds must be between 0 and 3600 (0: no cache), got {cache!r}")
+        for name in ("goodput_flush_seconds", "hang_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"metrics.{name} must be a number of seconds > 0, got {value!r}")
+        for name in ("flops_per_step", "peak_flops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"metrics.{name} must be a number >= 0 (0: unknown), got {value!r}")
+        if self.compute_dtype not in ("bf16", "fp16", "tf32", "fp32"):
+            raise ValueError(f"metrics.compute_dtype must be one of bf16, fp16, tf32, fp32, got {self.compute_dtype!r}")
         at_least("metrics.spike_window", self.spike_window, 2)
         at_least("metrics.spike_patience", self.spike_patience, 1)
         if not self.spike_ratio > 1.0:

@@ -351,6 +351,30 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m("paused", _G, "1 while training is paused by a control action, else 0.", source="control"),
+    # --- goodput and MFU (rankscope.goodput, rankscope.flops; docs/goodput.md) ----------------------------
+    _m(
+        "goodput_seconds_total",
+        _C,
+        "The job's wall time since its first start, across restarts, by bucket (startup, training, checkpoint, "
+        "validation, paused, hang add up to it; lost is the part of training thrown away by a resume or a "
+        "rollback). Rank 0 only.",
+        labels=("bucket",),
+        source="goodput",
+    ),
+    _m(
+        "model_flops_total",
+        _C,
+        "Model FLOPs this rank computed (FLOPs per step, counted once by torch's FlopCounterMode or given, times "
+        "steps): rate() is achieved FLOP/s. Absent unless FLOPs per step are known.",
+        source="flops",
+    ),
+    _m(
+        "peak_flops_per_second",
+        _G,
+        "The device's peak FLOP/s at the compute dtype (configured, or the table in rankscope.flops for a known "
+        "CUDA device): MFU = rate(model_flops_total) / this. Absent when unknown (a CPU).",
+        source="flops",
+    ),
     _m(
         "restart_lost_steps_total",
         _C,

@@ -57,7 +57,9 @@ class Instruments:
     ) -> None:
         """`specs`: which contract metrics (default: all but the scrape-time probes); `extra`: metrics of
         the loop's own, declared as MetricSpec (same conventions, checked when each spec is built)."""
-        chosen = list(specs if specs is not None else (s for s in METRICS.values() if s.source != "probe"))
+        # Probes and the goodput ledger are exposed by collectors of their own, computed at scrape time.
+        scraped = ("probe", "goodput")
+        chosen = list(specs if specs is not None else (s for s in METRICS.values() if s.source not in scraped))
         for spec in extra:
             if not isinstance(spec, MetricSpec):
                 raise TypeError(f"extra metrics are MetricSpec declarations, got {type(spec).__name__}")

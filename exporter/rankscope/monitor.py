@@ -37,11 +37,14 @@ from rankscope.comm import CommTimer, events_seconds
 from rankscope.config import MonitorConfig
 from rankscope.contract import PREFIX, MetricSpec
 from rankscope.deferred import DeferredValues
+from rankscope.flops import FlopCounter, device_peak_flops
+from rankscope.goodput import PHASE_BUCKETS, GoodputCollector, GoodputFlusher, GoodputLedger, process_start_time
 from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
 from rankscope.identity import RankIdentity
 from rankscope.instruments import Instruments, observe_all
 from rankscope.modules import ModuleStats
 from rankscope.probes import Probe, ProbeCollector, default_probes
+from rankscope.serving.exposition import state_changed
 from rankscope.serving.metrics_endpoint import MetricsServer, serve_metrics
 from rankscope.step_memory import StepPeakMemory
 
@@ -124,6 +127,15 @@ class Monitor:
             self.instruments.child(PREFIX + "monitor_errors_total", probe=probe.name)
         self.registry.register(ProbeCollector(chosen, self.identity.labels(), self.record_error))
         self._set_run_info()
+        self.goodput: GoodputLedger | None = None
+        self._goodput_flusher: GoodputFlusher | None = None
+        if self.config.goodput and self.identity.rank == 0:  # the job's accounting, kept once
+            self._start_goodput()
+        self._flops = FlopCounter(self.config.flops_per_step, self.config.count_flops)
+        peak = self.config.peak_flops or device_peak_flops(self.device, self.config.compute_dtype)
+        if peak:
+            self._metric["peak_flops_per_second"] = self.instruments.child(PREFIX + "peak_flops_per_second")
+            self._metric["peak_flops_per_second"].set(peak)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -153,12 +165,18 @@ class Monitor:
         one scrape interval so Prometheus sees it (the rank-down alert then ignores this rank)."""
         self._metric["run_finished"].set(1)
         self.flush()
+        if self.goodput is not None:
+            self.goodput.flush()
+        state_changed()  # the next scrape shows the end, whatever the page cache holds
 
     def close(self) -> None:
         """Resolve what is pending, detach hooks and stop serving."""
         self.flush()
         if self._modules is not None:
             self._modules.close()
+        if self._goodput_flusher is not None:
+            self._goodput_flusher.close()
+            self._goodput_flusher = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -238,8 +256,12 @@ class Monitor:
         # With data(), the iteration began when the fetch began; otherwise the wait
         # reported through record_data_wait() is added to the block's duration.
         fetched_by_data = self._iteration_start is not None
-        started = self._iteration_start if fetched_by_data else time.perf_counter()
+        started = self._iteration_start if self._iteration_start is not None else time.perf_counter()
         context = StepContext(self, self.global_step + 1)
+        if self.goodput is not None and not self._goodput_training:
+            self._goodput_begin(started, context.index - 1)
+        if self._flops.measuring:
+            self._flops_call(self._flops.begin)
         if self._modules is not None:
             self._modules.begin_step(context.index)
         self._step_memory_call(lambda memory: memory.begin())
@@ -248,6 +270,8 @@ class Monitor:
             yield context
         finally:
             self._in_step = False
+            if self._flops.measuring:
+                self._flops_call(self._flops.end)
         # Only a block that completed counts as a step; an exception propagates untouched.
         seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
         self._finish_step(context, seconds, samples, tokens, max_seq_len)
@@ -284,8 +308,29 @@ class Monitor:
 
     def set_step(self, step: int) -> None:
         """Continue counting from `step` (after resuming from a checkpoint)."""
+        ledger = self.goodput
+        if ledger is not None and step < max(self.global_step, ledger.step):
+            ledger.restore(step)  # went back (a resume or a rollback): the steps trained since are lost
         self.global_step = step
         self._metric["global_step"].set(step)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time spent in a phase that is not training: `checkpoint` (a blocking save), `validation`,
+        `paused`. The goodput accounts it in its own bucket (docs/goodput.md). Around a checkpoint save,
+        the step saved is marked too, so that a later resume or rollback to it loses only what came after."""
+        ledger = self.goodput
+        if ledger is not None:
+            ledger.enter(name)
+        elif name not in PHASE_BUCKETS:
+            raise ValueError(f"unknown goodput phase {name!r}; known: {', '.join(PHASE_BUCKETS)}")
+        saved = False
+        try:
+            yield
+            saved = name == "checkpoint"
+        finally:
+            if ledger is not None:
+                ledger.leave(self.global_step if saved else None)
 
     def record_loss(self, value: Value, split: str = "val") -> None:
         """Record a loss outside the training step (e.g. validation)."""
@@ -389,6 +434,10 @@ class Monitor:
             if self._reports_data_wait:
                 m["data_wait_seconds"].observe(data_wait)
             m["steps_total"].inc()
+            if self._flops.per_step:
+                self._model_flops().inc(self._flops.per_step)
+            if self.goodput is not None:
+                self.goodput.on_step(context.index, time.time())
             if samples:
                 m["samples_total"].inc(samples)
             if tokens:
@@ -415,6 +464,35 @@ class Monitor:
                 self.flush()
         except Exception as exc:
             self._fail("step", exc)
+
+    def _start_goodput(self) -> None:
+        config = self.config
+        self.goodput = GoodputLedger(
+            config.goodput_dir or None, process_start=process_start_time(time.time()), hang_seconds=config.hang_seconds
+        )
+        self._goodput_training = False
+        self.registry.register(GoodputCollector(self.goodput, self.identity.labels()))
+        if config.goodput_dir:
+            self._goodput_flusher = GoodputFlusher(self.goodput, config.goodput_flush_seconds)
+
+    def _goodput_begin(self, started: float, previous_step: int) -> None:
+        """Start-up ends where this incarnation's first step began (`started` on the perf_counter clock)."""
+        self._goodput_training = True
+        self.goodput.first_step(time.time() - (time.perf_counter() - started), previous_step)  # type: ignore[union-attr]
+
+    def _model_flops(self) -> Any:
+        child = self._metric.get("model_flops_total")
+        if child is None:
+            child = self._metric["model_flops_total"] = self.instruments.child(PREFIX + "model_flops_total")
+        return child
+
+    def _flops_call(self, call: Any) -> None:
+        """Enter or leave the FLOP counter; a failure is counted and the step goes on uncounted."""
+        try:
+            call()
+        except Exception as exc:  # monitoring must never break the step
+            self._flops = FlopCounter(0, False)
+            self._fail("flops", exc)
 
     def _step_memory_call(self, call: Any) -> Any:
         """`call(StepPeakMemory)` if step peaks are measured; a failure is counted and switches them off."""

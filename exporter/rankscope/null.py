@@ -62,6 +62,10 @@ class NullMonitor:
     def set_step(self, step: int) -> None:
         self.global_step = step
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
     def record_loss(self, value: Any, split: str = "val") -> None:
         return None
 
