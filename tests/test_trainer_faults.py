@@ -17,9 +17,11 @@ import time
 import psutil
 import pytest
 import torch
+from rankscope.control.stacks import gather, headline
 from rankscope_trainer.config import build_section
-from rankscope_trainer.faults import FaultInjector, FaultsConfig
+from rankscope_trainer.faults import FaultInjector, FaultsConfig, HangFault
 
+from devstack.jobs import wait_for
 from tests.support import REPO, sample_value
 
 
@@ -155,6 +157,46 @@ def test_a_crash_exits_the_process_on_the_first_attempt_only() -> None:
         [sys.executable, "-c", script, "1"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert restarted.returncode == 0 and "survived" in restarted.stdout
+
+
+@pytest.mark.parametrize("kind", ["data", "compute"])
+def test_a_hang_blocks_the_rank_where_its_stacks_show_it_on_the_first_attempt_only(kind) -> None:
+    script = (
+        "import sys, torch\n"
+        "from rankscope.control.endpoint import serve_control\n"
+        "from rankscope.control.peer import create_peer_app\n"
+        "from rankscope_trainer.faults import FaultInjector, FaultsConfig, HangFault\n"
+        "kind, attempt = sys.argv[1], int(sys.argv[2])\n"
+        "faults = FaultInjector(FaultsConfig(hang=HangFault(at_step=2, rank=0, kind=kind)), 0, attempt)\n"
+        "print(serve_control(create_peer_app(0, 'tok'), '127.0.0.1', 0).url, flush=True)\n"
+        "for step in (1, 2, 3):\n"
+        "    if kind == 'data': list(faults.slow_data([None], lambda: step))\n"
+        "    else: faults.after_forward(step, torch.zeros(()))\n"
+        "print('survived', flush=True)\n"
+    )
+    hung = subprocess.Popen([sys.executable, "-c", script, kind, "0"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        url = hung.stdout.readline().strip()
+        frame = "_hang_in_data_loader" if kind == "data" else "_hang_in_compute"
+
+        def blocked() -> bool:
+            answer = gather({0: url}, "tok")[0]
+            return headline(answer["threads"]).startswith(frame)
+
+        wait_for(blocked, 60, f"rank 0's stacks to show {frame}")
+        assert hung.poll() is None
+    finally:
+        hung.kill()
+        hung.wait(10)
+    restarted = subprocess.run(
+        [sys.executable, "-c", script, kind, "1"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert restarted.returncode == 0 and "survived" in restarted.stdout
+
+
+def test_a_hang_of_an_unknown_kind_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^faults.hang.kind must be one of data, compute, collective, got 'disk'$"):
+        HangFault(at_step=3, kind="disk")
 
 
 # --- one 2-rank run with the faults on, scraped over HTTP ------------------------------------------

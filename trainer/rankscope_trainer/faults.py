@@ -11,6 +11,7 @@ step being trained. `rank: -1` means every rank.
       slow_data:      {at_step: 10, rank: 0, seconds: 0.2}  # slow loader -> its data_wait_seconds
       crash:          {at_step: 30, rank: 1}                # os._exit -> rank down; torchrun restarts the group
       poison:         {at_batch: 300, batches: 60}          # a stretch of mislabelled data -> loss diverges
+      hang:           {at_step: 40, rank: 1, kind: data}    # rank blocks for ever -> RankscopeRankHung, restart
 
 What each one does, and the signal it leaves:
 
@@ -43,12 +44,24 @@ What each one does, and the signal it leaves:
   from a broken shard. The loss spikes and diverges while they are trained
   on; a `rollback` that skips them leaves training clean again, because the
   fault follows the data position, not the step.
+* hang: at `at_step` (first attempt only, as `crash`), the rank blocks for ever,
+  as a hung rank of a large job does, in one of three places (`kind`):
+  `data`: its data loader never delivers the step's batch (a worker
+  deadlock, a read that never returns); `compute`: it never leaves the
+  step's forward (a wedged device); `collective`: it skips the step's
+  gradient all-reduce (as a rank that took another branch), so it waits in
+  the next collective (the control exchange) while every other rank waits
+  in the all-reduce it never entered. The other ranks then wait in the
+  step's all-reduce. `RankscopeRankHung` names the rank and its phase, and
+  its `restart` action gets the group training again from the newest
+  checkpoint (`torchrun --max-restarts`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -181,6 +194,25 @@ class PoisonFault:
         return self.at_batch
 
 
+#: Where faults.hang blocks its rank.
+HANG_KINDS = ("data", "compute", "collective")
+
+
+@dataclass
+class HangFault:
+    at_step: int = 0
+    """Step at which the rank hangs (0 = off); the first attempt only."""
+    rank: int = 1
+    """The rank that hangs (-1 = every rank)."""
+    kind: str = "data"
+    """Where: data (the loader never delivers), compute (the forward never ends), collective (it skips the
+    step's all-reduce and waits in the next collective)."""
+
+    def __post_init__(self) -> None:
+        _check_common("hang", self.at_step, self.rank)
+        _check(self.kind in HANG_KINDS, f"faults.hang.kind must be one of {', '.join(HANG_KINDS)}, got {self.kind!r}")
+
+
 @dataclass
 class FaultsConfig:
     """Fault switches (all off by default). See the module docstring."""
@@ -192,6 +224,7 @@ class FaultsConfig:
     slow_data: SlowDataFault = field(default_factory=SlowDataFault)
     crash: CrashFault = field(default_factory=CrashFault)
     poison: PoisonFault = field(default_factory=PoisonFault)
+    hang: HangFault = field(default_factory=HangFault)
 
     def active(self) -> list[str]:
         """Names of the switches that are on."""
@@ -226,6 +259,8 @@ class FaultInjector:
         fault = self.config.slow_data
         for batch in batches:
             step = next_step()
+            if self._hangs("data", step):
+                _hang_in_data_loader()
             if self._mine("slow_data", fault.rank) and step >= fault.at_step:
                 self._announce("slow_data", step, f"{fault.seconds}s per batch")
                 time.sleep(fault.seconds)
@@ -252,6 +287,8 @@ class FaultInjector:
 
     def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Straggler delay and NaN loss, between forward and backward (inside compute time)."""
+        if self._hangs("compute", step):
+            _hang_in_compute()
         straggler = self.config.straggler
         if self._mine("straggler", straggler.rank) and step >= straggler.at_step:
             self._announce("straggler", step, f"+{straggler.seconds}s per step ({straggler.mode})")
@@ -263,6 +300,19 @@ class FaultInjector:
             # overflow, and the all-reduce carries the NaN to every rank.
             loss = loss * float("nan")
         return loss
+
+    def skips_collective(self, step: int) -> bool:
+        """Whether this rank leaves the step's gradient all-reduce out (faults.hang, kind collective)."""
+        return self._hangs("collective", step)
+
+    def _hangs(self, kind: str, step: int) -> bool:
+        hang = self.config.hang
+        if not (self._mine("hang", hang.rank) and hang.kind == kind and step == hang.at_step):
+            return False
+        if self.restart_count:
+            return False  # a restarted group trains on, as after a real fault that a restart cleared
+        logger.error("fault injection: rank %d hangs at step %d (%s)", self.rank, step, kind)
+        return True
 
     def poison(self, data_batch: int, micro_batches: list[Any]) -> list[Any]:
         """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in the poisoned stretch."""
@@ -281,6 +331,17 @@ class FaultInjector:
         # torch.ones writes every page, so the memory is resident, not just reserved.
         self._balloon.append(torch.ones(chunk, dtype=torch.uint8))
         self._balloon_bytes += chunk
+
+
+def _hang_in_data_loader() -> None:
+    """Wait for a batch that never comes: the frame a hung rank's stacks show (issue 26)."""
+    threading.Event().wait()
+
+
+def _hang_in_compute() -> None:
+    """A forward that never ends, as on a wedged device: the frame a hung rank's stacks show."""
+    while True:
+        time.sleep(1.0)
 
 
 def _scrambled(batch: Any) -> Any:

@@ -21,6 +21,7 @@ Distributed decisions:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -94,6 +95,7 @@ class Trainer:
             cfg.metrics,
             model_name=cfg.metrics.model_name or f"clip-{cfg.model.image_encoder}",
             config_hash=cfg.metrics.config_hash or cfg.hash(),
+            goodput_dir=cfg.metrics.goodput_dir or cfg.checkpoint.dir,  # the job's accounting beside its checkpoints
         )
         self.monitor = create_monitor(metrics, identity=identity, device=self.rt.device, extra_metrics=TRAINER_METRICS)
         self.monitor.start()
@@ -241,7 +243,12 @@ class Trainer:
                     else contextlib.nullcontext(None)
                 )
                 # Gradients of all but the last micro-batch stay local: one all-reduce per step.
-                syncing = contextlib.nullcontext() if index == last else self.model.no_sync()
+                # (faults.hang, kind collective: this rank leaves the step's all-reduce out and hangs in the next.)
+                syncing = (
+                    contextlib.nullcontext()
+                    if index == last and not self.faults.skips_collective(step.index)
+                    else self.model.no_sync()
+                )
                 with syncing:
                     with self._autocast(), recording as recorded:
                         if cached is None:
@@ -300,7 +307,8 @@ class Trainer:
         if self._due(run.log_every):
             self.log.flush()
         if self._due(run.val_every):
-            self.validate()
+            with self.monitor.phase("validation"):
+                self.validate()
         if self.channel is not None:
             applied = self.channel.at_step_boundary(self.step, self)  # may call checkpoint() / request_stop()
             for action in applied:  # carried out on every rank at this step (its outcome: /v1/status)
@@ -325,7 +333,8 @@ class Trainer:
             self.save_checkpoint(f"stop:{self.stop_reason}")
         else:
             if self.last_val_step != self.step:
-                self.validate()
+                with self.monitor.phase("validation"):
+                    self.validate()
             if self.cfg.checkpoint.save_final and self.checkpoints.last_step != self.step:
                 self.save_checkpoint("final")
         self.log.event("finished", step=self.step, stopped=self.stop_reason)
@@ -396,7 +405,8 @@ class Trainer:
         self.stop_reason = reason
 
     def save_checkpoint(self, reason: str) -> Path | None:
-        path = self.checkpoints.save(self.step, self.state_dict, reason)
+        with self.monitor.phase("checkpoint"):
+            path = self.checkpoints.save(self.step, self.state_dict, reason)
         if path is not None:
             self._timeline.append((self.step, path))
             self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))
@@ -559,7 +569,9 @@ class Trainer:
     def _control_channel(self) -> ControlChannel | None:
         if not self.cfg.control.enabled:
             return None
-        return ControlChannel(self.cfg.control, self.monitor, optimizer=self.optimizer, scheduler=self.scheduler)
+        # A `restart` in flight and its stacks are kept beside the checkpoints unless configured elsewhere.
+        control = dataclasses.replace(self.cfg.control, state_dir=self.cfg.control.state_dir or self.cfg.checkpoint.dir)
+        return ControlChannel(control, self.monitor, optimizer=self.optimizer, scheduler=self.scheduler)
 
     # --- precision and teardown -----------------------------------------------------------------
 
