@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` runs the stack, `make test` the tests.
-.PHONY: demo test lint bootstrap dashboards report
+.PHONY: demo test lint bootstrap dashboards rules report
 
 # Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores: ~5 minutes).
 DEMO_STEPS ?= 3000
@@ -27,5 +27,6 @@ lint: bootstrap
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
-dashboards: bootstrap
-	.venv/bin/python -m rankscope.mixin.dashboards.generate
+# The rule pack (rules, dashboards, Alertmanager routes, Kubernetes resources) from rankscope/mixin/config.py.
+dashboards rules: bootstrap
+	.venv/bin/rankscope-mixin --kubernetes

@@ -28,9 +28,10 @@ AM_DIR = REPO / "alertmanager"
 CONFIG = AM_DIR / "alertmanager.yml"
 ALERT_RULES = [
     rule
-    for group in yaml.safe_load((REPO / "prometheus" / "rules" / "alerts.yml").read_text())["groups"]
+    for path in sorted((REPO / "prometheus" / "rules").glob("*.yml"))
+    for group in yaml.safe_load(path.read_text())["groups"]
     for rule in group["rules"]
-    if "alert" in rule  # the alert group also records per-run values its alerts read
+    if "alert" in rule  # each area's group also records the series its alerts read
 ]
 
 #: Where each alert must go, in route order. Written out by hand (not derived from the config)

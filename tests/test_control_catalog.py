@@ -1,7 +1,7 @@
 """Every copy of the action list is pinned to its one declaration, exporter/rankscope/control/catalog.py.
 
 The channel's behaviours, the CLI's commands and options, the OpenAPI document, the limits, the
-Alertmanager route to the trainer and the rule generator's `action` labels are each checked
+Alertmanager route to the trainer and the rule pack's `action` labels are each checked
 against the catalog; the last test shows that a copy that drifts is caught.
 """
 
@@ -17,8 +17,10 @@ from rankscope.control.actions import ActionRequest
 from rankscope.control.catalog import CATALOG, RESULTS, check_result
 from rankscope.control.limits import ActionLimits
 from rankscope.control.state import ActionQueue
+from rankscope.mixin import config as mixin_config
+from rankscope.mixin import rules as mixin_rules
 
-from tests.support import REPO, load_rule_generator
+from tests.support import REPO
 
 NAMES = [spec.name for spec in CATALOG]
 
@@ -75,15 +77,33 @@ def test_the_alertmanager_route_to_the_trainer_matches_every_action():
     assert route_problems(yaml.safe_load((REPO / "alertmanager" / "alertmanager.yml").read_text())) == []
 
 
-def test_every_shipped_alert_carries_only_an_action_the_catalog_lets_it_carry():
-    generator = load_rule_generator()
+def test_every_shipped_alert_carries_only_an_action_the_config_lets_it_ask_for():
+    # Which alert asks for which action is the rule pack's config (rankscope.mixin.config), not the catalog's.
+    t = mixin_config.Tunables()
     allowed: dict[str, set[str]] = {}
-    for spec in CATALOG:
-        for alert in spec.alerts:
-            allowed.setdefault(alert, set()).add(spec.name)
-    carrying = {a.name: a.action for a in generator.alerts(generator.Tunables()) if a.action}
+    for name, choice in mixin_config.ACTION_TUNABLES.items():
+        assert set(choice.choices) - {""} <= set(NAMES), name
+        for alert in choice.alerts:
+            allowed.setdefault(alert, set()).update(mixin_config.action_choices(name))
+    alerts = mixin_rules.alerts(t)
+    carrying = {a.name: a.action for a in alerts if a.action}
     assert {name: action for name, action in carrying.items() if action not in allowed.get(name, ())} == {}
-    assert set(allowed) <= {a.name for a in generator.alerts(generator.Tunables())}
+    assert set(allowed) <= {a.name for a in alerts}
+
+
+def test_the_library_names_no_alert_outside_the_rule_pack():
+    # The catalog declares actions; the rule pack (rankscope/mixin/) alone says which alert asks for them.
+    names = {a.name for a in mixin_rules.alerts(mixin_config.Tunables())}
+    assert "RankscopeRankDown" in names
+    library = REPO / "exporter" / "rankscope"
+    found = {
+        (str(path.relative_to(library)), name)
+        for path in library.rglob("*")
+        if path.is_file() and path.suffix in (".py", ".yaml", ".json", ".md") and "mixin" not in path.parts
+        for name in re.findall(r"\bRankscope[A-Z]\w*", path.read_text())
+        if name in names
+    }
+    assert found == set()
 
 
 @pytest.mark.parametrize("drift", ["drop", "add"])

@@ -7,6 +7,7 @@ against a live Prometheus. These tests check everything that needs no data.
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 from dataclasses import replace
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from rankscope.contract import METRICS
+from rankscope.mixin import cli, promql
+from rankscope.mixin.config import Tunables
 from rankscope.mixin.dashboards import generate
 from rankscope.mixin.dashboards.panels import DATASOURCE_UID, GPU_ONLY_METRICS
 from rankscope.mixin.dashboards.queries import (
@@ -25,7 +28,6 @@ from rankscope.mixin.dashboards.queries import (
     panel_queries,
     substitute,
 )
-from rankscope.mixin.dashboards.rules import generator, tunables
 from rankscope_trainer.metrics import TRAINER_METRICS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,11 +81,11 @@ def test_committed_dashboards_equal_the_generator_output():
     assert not stale, f"stale dashboards {stale}: run `make dashboards` and commit the result"
 
 
-def test_generator_check_mode_reports_a_stale_file(tmp_path, capsys):
-    assert generate.main(["--out", str(tmp_path)]) == 0
-    assert generate.main(["--out", str(tmp_path), "--check"]) == 0
-    (tmp_path / "ranks.json").write_text("{}\n")
-    assert generate.main(["--out", str(tmp_path), "--check"]) == 1
+def test_the_mixin_check_reports_a_stale_dashboard(tmp_path, capsys):
+    assert cli.main(["--out", str(tmp_path)]) == 0
+    assert cli.main(["--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "grafana" / "dashboards" / "ranks.json").write_text("{}\n")
+    assert cli.main(["--out", str(tmp_path), "--check"]) == 1
     assert "ranks.json" in capsys.readouterr().err
 
 
@@ -210,7 +212,7 @@ def test_every_panel_and_annotation_query_is_valid_promql(boards, tmp_path):
 
 
 # --- thresholds and text come from the rules' Tunables ------------------------------------------------
-# exporter/rankscope/mixin/rules.py's Tunables is the one source of every alert threshold and `for`; the
+# rankscope.mixin.config.Tunables is the one source of every alert threshold and `for`; the
 # dashboards draw the alerts' lines and quote them from it. These panels show an alert's numbers:
 # (tunables drawn as threshold lines, tunables quoted in the description).
 PANEL_TUNABLES = {
@@ -241,7 +243,7 @@ def _quoted(name: str, value: object) -> str:
         return value
     if name.endswith(("_ratio", "_share", "_improvement")) and 0 < value < 1:
         return f"{value:.0%}"
-    return generator().num(value)
+    return promql.num(value)
 
 
 def dashboard_drift(boards: list[dict], t) -> list[str]:  # noqa: ANN001 - the generator's Tunables
@@ -271,7 +273,7 @@ def dashboard_drift(boards: list[dict], t) -> list[str]:  # noqa: ANN001 - the g
 
 
 def test_the_dashboards_draw_and_quote_the_alerts_tunables(boards):
-    assert dashboard_drift(boards, tunables()) == []
+    assert dashboard_drift(boards, Tunables()) == []
 
 
 def test_the_dashboard_check_catches_a_threshold_that_drifted(boards):
@@ -282,19 +284,19 @@ def test_the_dashboard_check_catches_a_threshold_that_drifted(boards):
     assert [step["value"] for step in steps] == [None, 0.85]
     steps[1]["value"] = 0.8
     panel["description"] = panel["description"].replace("85%", "80%")
-    assert dashboard_drift(edited, tunables()) == [
+    assert dashboard_drift(edited, Tunables()) == [
         "Host memory used: threshold lines [0.8], Tunables has [0.85] (host_memory_ratio)",
         "Host memory used: the description does not say 85% (host_memory_ratio)",
     ]
 
 
-def test_a_changed_tunable_reaches_the_generated_dashboards(monkeypatch):
-    monkeypatch.setattr(generate, "T", replace(tunables(), host_memory_ratio=0.8, imbalance_ratio=1.3))
-    boards = [generate.run_overview(), generate.ranks()]
+def test_a_changed_tunable_reaches_the_generated_dashboards():
+    changed_t = replace(Tunables(), host_memory_ratio=0.8, imbalance_ratio=1.3)
+    boards = [json.loads(text) for name, text in generate.render(changed_t).items() if name != "model-and-data.json"]
     (memory,) = [p for b in boards for p in _panels(b) if p["title"] == "Host memory used"]
     assert memory["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == 0.8
     assert "above 80% for 1m" in memory["description"]
-    changed = dashboard_drift(boards, tunables())
+    changed = dashboard_drift(boards, Tunables())
     assert {problem.split(":")[0] for problem in changed} >= {
         "Host memory used",
         "Straggler",
@@ -303,7 +305,7 @@ def test_a_changed_tunable_reaches_the_generated_dashboards(monkeypatch):
 
 
 def test_panels_read_the_series_the_rules_record_by_the_generators_names(boards):
-    rules = generator()
+    rules = promql
     exprs = {t["expr"] for b in boards for p in _panels(b) for t in p["targets"]}
     for series in (
         rules.STRAGGLER,

@@ -19,9 +19,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rankscope import contract
 from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind
+from rankscope.control import catalog
+from rankscope.mixin import cli, config, promql
+from rankscope.mixin import rules as mixin_rules
+from rankscope.mixin.config import Tunables
 
-from tests.support import fetch, load_rule_generator, stop_process, tail, torchrun, wait_for
+from tests.support import fetch, stop_process, tail, torchrun, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PROM = REPO / "prometheus"
@@ -29,9 +34,6 @@ RULES = PROM / "rules"
 RULE_FILES = sorted(RULES.glob("*.yml"))
 UNIT_TEST_FILES = sorted((PROM / "tests").glob("*_test.yml"))
 RUNBOOK = REPO / "docs" / "runbook.md"
-
-
-gen = load_rule_generator()
 
 
 def promtool(*args: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -66,20 +68,41 @@ def _unit_tests() -> list[dict]:
 
 
 def test_committed_rule_files_equal_the_generator_output():
-    for name, text in gen.render(gen.Tunables()).items():
-        assert (RULES / name).read_text() == text, f"{name} is stale: run python -m rankscope.mixin.rules"
-    assert {p.name for p in RULE_FILES} == set(gen.render(gen.Tunables()))
+    for name, text in mixin_rules.render(Tunables()).items():
+        assert (RULES / name).read_text() == text, f"{name} is stale: run rankscope-mixin"
+    assert {p.name for p in RULE_FILES} == set(mixin_rules.render(Tunables()))
 
 
-def test_generator_check_mode_reports_stale_files(tmp_path):
-    assert gen.main(["--out", str(RULES), "--check"]) == 0
-    assert gen.main(["--out", str(tmp_path), "--check"]) == 1
+def generate(out: Path, *settings: str) -> Path:
+    """Run the mixin command into `out` with `settings` (NAME=VALUE); its rule directory."""
+    assert cli.main(["--out", str(out), *(f"--set={setting}" for setting in settings)]) == 0
+    return out / "prometheus" / "rules"
+
+
+def test_every_rule_group_is_an_area_file_with_its_own_promtool_tests():
+    # One group per file, named after its area; each area's test file loads the rule files.
+    for path in RULE_FILES:
+        (group,) = yaml.safe_load(path.read_text())["groups"]
+        assert group["name"] == f"rankscope.{path.stem}"
+        tests = PROM / "tests" / f"{path.stem}_test.yml"
+        assert tests.is_file(), f"no promtool tests for {group['name']}: {tests}"
+        assert "../rules/*.yml" in yaml.safe_load(tests.read_text())["rule_files"]
+
+
+def test_the_groups_are_ordered_after_the_groups_they_read():
+    # promtool evaluates the groups in group_eval_order (then the groups not listed): each test file lists groups
+    # in the generator's order. A new area's group need not be listed in the other areas' files: none reads it.
+    order = [group["name"] for group in mixin_rules.groups(Tunables())]
+    for path in [*UNIT_TEST_FILES, RECOVERY_UNIT_TESTS]:
+        listed = yaml.safe_load(path.read_text()).get("group_eval_order", [])
+        assert listed == [name for name in order if name in listed], f"{path.name}: {listed}, generator: {order}"
+        assert listed[:1] == order[:1], f"{path.name}: list the groups from the first, {order[0]}"
 
 
 def test_promtool_accepts_the_compose_configuration_and_its_rule_files():
     result = promtool("check", "config", PROM / "prometheus.yml")
     assert_ok(result)
-    assert "2 rule files found" in result.stdout
+    assert f"{len(RULE_FILES)} rule files found" in result.stdout
 
 
 def test_promtool_accepts_the_rule_files():
@@ -185,9 +208,9 @@ def _contract_metrics_read() -> set[str]:
 @pytest.mark.parametrize("metric_name", sorted(_contract_metrics_read()))
 def test_every_metric_a_rule_reads_is_looked_up_in_the_contract(metric_name, monkeypatch):
     # A name typed out in the generator would survive its metric leaving the contract; a looked-up one fails.
-    monkeypatch.delitem(gen.contract.METRICS, metric_name)
+    monkeypatch.delitem(contract.METRICS, metric_name)
     with pytest.raises(KeyError, match=metric_name.removeprefix("rankscope_")):
-        gen.render(gen.Tunables())
+        mixin_rules.render(Tunables())
 
 
 def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
@@ -196,8 +219,8 @@ def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
         "import sys, dataclasses; from rankscope import contract\n"
         "spec = contract.METRICS.pop('rankscope_grad_norm')\n"
         "contract.METRICS['rankscope_gradient_norm'] = dataclasses.replace(spec, name='rankscope_gradient_norm')\n"
-        "from rankscope.mixin import rules\n"
-        "sys.exit(rules.main(sys.argv[1:]))\n"
+        "from rankscope.mixin import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", rename, "--out", str(tmp_path / "rules")], capture_output=True, text=True, timeout=60
@@ -208,9 +231,9 @@ def test_a_metric_renamed_in_the_contract_breaks_generation(tmp_path):
 
 def test_no_alert_reads_a_series_more_than_two_recording_levels_above_the_scraped_data():
     # A remote ruler (vmalert) sees a recorded series one evaluation after it wrote it: each level is a delay.
-    depth = gen.recording_depth(RECORDING_RULES)
+    depth = promql.recording_depth(mixin_rules.recording_rules(Tunables()))  # in the groups' order
     assert max(depth.values()) <= 3
-    deep = {rule["alert"]: gen.expression_depth(rule["expr"], depth) for rule in ALERT_RULES}
+    deep = {rule["alert"]: promql.expression_depth(rule["expr"], depth) for rule in ALERT_RULES}
     assert max(deep.values()) <= 2, deep
     assert deep["RankscopeRankImbalance"] == 2 and deep["RankscopeNonFiniteSteps"] == 1
     assert deep["RankscopeLossPlateau"] == 2 and deep["RankscopeValLossPlateau"] == 1
@@ -220,7 +243,7 @@ def test_the_plateau_alerts_are_tickets_without_an_action_that_read_only_run_lev
     # A plateau is a person's call (no trainer action, no page), and at thousands of ranks the rules that
     # find it must cost a few series per run: no scraped (per-rank) series is read over their long windows.
     alerts = {rule["alert"]: rule for rule in ALERT_RULES}
-    change = next(rule for rule in RECORDING_RULES if rule["record"] == gen.LOSS_CHANGE)
+    change = next(rule for rule in RECORDING_RULES if rule["record"] == promql.LOSS_CHANGE)
     for rule in (alerts["RankscopeLossPlateau"], alerts["RankscopeValLossPlateau"], change):
         assert rule.get("labels", {"severity": "ticket"}) == {"severity": "ticket"}, rule
         assert not {n for n in _names_in(rule["expr"]) if n.startswith("rankscope_")}, rule
@@ -228,7 +251,7 @@ def test_the_plateau_alerts_are_tickets_without_an_action_that_read_only_run_lev
 
 def test_the_depth_check_rejects_a_series_read_before_it_is_recorded():
     with pytest.raises(ValueError, match="run:rankscope_loss:smoothed"):
-        gen.recording_depth([{"record": "run:x:min", "expr": "min_over_time(run:rankscope_loss:smoothed[5m])"}])
+        promql.recording_depth([{"record": "run:x:min", "expr": "min_over_time(run:rankscope_loss:smoothed[5m])"}])
 
 
 # --- alert conventions --------------------------------------------------------------------
@@ -243,8 +266,8 @@ def _runbook_anchors() -> list[str]:
 @pytest.mark.parametrize("rule", ALERT_RULES, ids=lambda r: r["alert"])
 def test_every_alert_has_severity_summary_description_and_its_own_runbook_section(rule):
     labels, annotations = rule["labels"], rule["annotations"]
-    assert labels["severity"] in gen.SEVERITIES
-    assert labels.get("action", "checkpoint") in gen.ACTIONS
+    assert labels["severity"] in config.SEVERITIES
+    assert labels.get("action", "checkpoint") in config.ACTIONS
     assert annotations["summary"] and "{{" not in annotations["summary"]
     assert "$labels.run_id" in annotations["description"]
     url, _, anchor = annotations["runbook_url"].partition("#")
@@ -268,7 +291,7 @@ README = PROM / "README.md"
 #: device-memory kind (quoted as a label matcher), the severities (each section's "Severity `...`") and the
 #: actions (each section's "action `...`", checked against the rule's label).
 UNQUOTED = {"rate_window", "runbook_url", "evaluation_interval", "device_memory_kind"} | {
-    f.name for f in fields(gen.Tunables) if f.name.endswith(("_severity", "_action"))
+    f.name for f in fields(Tunables) if f.name.endswith(("_severity", "_action"))
 }
 _AMOUNT = re.compile(r"(?<![\w.`])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(%|ms|s|m|h|x)?(?![\w`])")
 _UNITS = {"%": ("number", 0.01), "x": ("number", 1), None: ("number", 1), "ms": ("seconds", 0.001),
@@ -295,9 +318,9 @@ def _variant(t, name: str):  # noqa: ANN001, ANN202 - the generator's Tunables
     """`t` with field `name` changed to another valid value."""
     value = getattr(t, name)
     if name == "data_wait_p90_seconds":
-        candidates = [b for b in gen.contract.metric("data_wait_seconds").buckets if b != value]
+        candidates = [b for b in contract.metric("data_wait_seconds").buckets if b != value]
     elif isinstance(value, str):
-        candidates = ["7m", "8m", "reserved", "info", "ticket", *gen.ACTIONS, ""]
+        candidates = ["7m", "8m", "reserved", "info", "ticket", *config.ACTIONS, ""]
     else:
         candidates = [value * 1.5, value * 0.5]
     for candidate in (c for c in candidates if c != value):
@@ -311,14 +334,14 @@ def _variant(t, name: str):  # noqa: ANN001, ANN202 - the generator's Tunables
 @functools.cache
 def _tunables_used() -> dict[str, list[str]]:
     """Alert name -> the tunables whose change changes its generated rule (expression, `for` or text)."""
-    t = gen.Tunables()
-    base = {a.name: a.to_rule(t) for a in gen.alerts(t)}
+    t = Tunables()
+    base = {a.name: a.to_rule(t) for a in mixin_rules.alerts(t)}
     used: dict[str, list[str]] = {name: [] for name in base}
-    for f in fields(gen.Tunables):
+    for f in fields(Tunables):
         if f.name == "runbook_url":
             continue
         variant = _variant(t, f.name)
-        for alert in gen.alerts(variant):
+        for alert in mixin_rules.alerts(variant):
             if alert.to_rule(t) != base[alert.name]:
                 used[alert.name].append(f.name)
     return used
@@ -336,7 +359,7 @@ def runbook_drift(text: str, t) -> list[str]:  # noqa: ANN001 - the generator's 
     written "no `for`")."""
     problems = []
     sections = _sections(text)
-    for rule in gen.alerts(t):
+    for rule in mixin_rules.alerts(t):
         section = sections.get(rule.name, "")
         said = re.findall(r"Severity\s+`(\w+)`", section)
         if said != [rule.severity]:
@@ -372,7 +395,7 @@ def readme_table_drift(text: str, t) -> list[str]:  # noqa: ANN001 - the generat
         m[0]: [c.strip() for c in m[1:]] for m in re.findall(r"^\| `(\w+)` \|(.*)\|(.*)\|(.*)\|(.*)\|$", text, re.M)
     }
     problems = []
-    for alert in gen.alerts(t):
+    for alert in mixin_rules.alerts(t):
         if alert.name not in rows:
             problems.append(f"{alert.name}: no row in the alert table")
             continue
@@ -392,18 +415,18 @@ def readme_table_drift(text: str, t) -> list[str]:  # noqa: ANN001 - the generat
 
 
 def test_the_runbook_quotes_every_tunable_its_alerts_use_with_its_value():
-    assert runbook_drift(RUNBOOK.read_text(), gen.Tunables()) == []
+    assert runbook_drift(RUNBOOK.read_text(), Tunables()) == []
 
 
 def test_the_runbook_check_catches_a_number_that_drifted():
     text = RUNBOOK.read_text()
     assert "`host_memory_ratio` (85 %)" in text and "`stall_seconds` (600 s)" in text
     drifted = text.replace("`host_memory_ratio` (85 %)", "`host_memory_ratio` (80 %)")
-    assert runbook_drift(drifted, gen.Tunables()) == [
+    assert runbook_drift(drifted, Tunables()) == [
         "RankscopeHostMemoryHigh: the runbook says `host_memory_ratio` (80 %), Tunables has 0.85"
     ]
     # ... and tunables changed without the runbook following them.
-    changed = replace(gen.Tunables(), stall_seconds=900.0, comm_severity="page")
+    changed = replace(Tunables(), stall_seconds=900.0, comm_severity="page")
     assert runbook_drift(text, changed) == [
         "RankscopeCommOverheadHigh: the runbook says severity ['ticket'], the rule page",
         "RankscopeRunStalled: the runbook says `stall_seconds` (600 s), Tunables has 900.0",
@@ -423,7 +446,7 @@ def test_every_tunable_an_alert_uses_is_found():
 
 
 def test_the_readme_alert_table_matches_the_generated_alerts():
-    assert readme_table_drift(README.read_text(), gen.Tunables()) == []
+    assert readme_table_drift(README.read_text(), Tunables()) == []
 
 
 def test_the_readme_table_check_catches_a_number_that_drifted():
@@ -431,7 +454,7 @@ def test_the_readme_table_check_catches_a_number_that_drifted():
     row = "| `RankscopeRankImbalance` | straggler ratio > 1.5 (names the rank) | 10m | page | |"
     assert row in text
     drifted = text.replace(row, row.replace("> 1.5", "> 1.3").replace("10m", "5m"))
-    assert readme_table_drift(drifted, gen.Tunables()) == [
+    assert readme_table_drift(drifted, Tunables()) == [
         "RankscopeRankImbalance: the table says for 5m, the rule 10m",
         "RankscopeRankImbalance: the table's condition 'straggler ratio > 1.3 (names the rank)' quotes 1.3 "
         "(number), which is none of the alert's tunables",
@@ -473,9 +496,9 @@ def _unit_tests_beside(rules: Path, tests: list[Path]) -> subprocess.CompletedPr
     return promtool("test", "rules", *copies)
 
 
-def _run_unit_tests_against(variant: gen.Tunables, alert: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run_unit_tests_against(variant: Tunables, alert: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """promtool's tests for `alert`, run against rules generated from `variant`."""
-    for name, text in gen.render(variant).items():
+    for name, text in mixin_rules.render(variant).items():
         (tmp_path / "rules").mkdir(parents=True, exist_ok=True)
         (tmp_path / "rules" / name).write_text(text)
     mentioning = [path for path in UNIT_TEST_FILES if f"alertname: {alert}\n" in path.read_text()]
@@ -483,32 +506,32 @@ def _run_unit_tests_against(variant: gen.Tunables, alert: str, tmp_path: Path) -
     return _unit_tests_beside(tmp_path / "rules", mentioning)
 
 
-def _changed_alert(variant: gen.Tunables) -> str:
-    changed = [a.name for a, b in zip(gen.alerts(gen.Tunables()), gen.alerts(variant), strict=True) if a != b]
+def _changed_alert(variant: Tunables) -> str:
+    changed = [
+        a.name for a, b in zip(mixin_rules.alerts(Tunables()), mixin_rules.alerts(variant), strict=True) if a != b
+    ]
     assert len(changed) == 1, changed
     return changed[0]
 
 
-FOR_FIELDS = [
-    f.name for f in fields(gen.Tunables) if f.name.endswith("_for") and getattr(gen.Tunables(), f.name) != "0s"
-]
+FOR_FIELDS = [f.name for f in fields(Tunables) if f.name.endswith("_for") and getattr(Tunables(), f.name) != "0s"]
 
 
 @pytest.mark.parametrize("name", FOR_FIELDS)
 def test_a_for_one_evaluation_shorter_makes_its_unit_tests_fail(name, tmp_path):
     # The unit tests evaluate every minute; each alert's tests must pin its `for` exactly.
-    minutes = re.fullmatch(r"(\d+)m", getattr(gen.Tunables(), name))
+    minutes = re.fullmatch(r"(\d+)m", getattr(Tunables(), name))
     assert minutes, f"{name}: defaults are whole minutes so the tests can pin them"
     shorter = f"{int(minutes.group(1)) - 1}m"
-    variant = gen.apply_overrides(gen.Tunables(), [f"{name}={shorter}"])
+    variant = config.apply_overrides(Tunables(), [f"{name}={shorter}"])
     result = _run_unit_tests_against(variant, _changed_alert(variant), tmp_path)
     assert result.returncode != 0, f"tests still pass with {name}={shorter}:\n{result.stdout}"
 
 
 def test_one_more_allowed_non_finite_step_makes_its_unit_tests_fail(tmp_path):
-    variant = gen.apply_overrides(gen.Tunables(), ["nonfinite_steps=3"])
+    variant = config.apply_overrides(Tunables(), ["nonfinite_steps=3"])
     assert _run_unit_tests_against(variant, _changed_alert(variant), tmp_path).returncode != 0
-    variant = gen.apply_overrides(gen.Tunables(), ["nonfinite_steps=1"])
+    variant = config.apply_overrides(Tunables(), ["nonfinite_steps=1"])
     assert _run_unit_tests_against(variant, _changed_alert(variant), tmp_path / "fewer").returncode != 0
 
 
@@ -516,17 +539,15 @@ def test_one_more_allowed_non_finite_step_makes_its_unit_tests_fail(tmp_path):
 
 
 def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
-    code = gen.main(
-        ["--out", str(tmp_path), "--set", "imbalance_ratio=1.3", "--set", "*_for=2s", "--set", "rate_window=10s"]
-    )
-    assert code == 0
-    rules = yaml.safe_load((tmp_path / "alerts.yml").read_text())["groups"][0]["rules"]
+    out = generate(tmp_path, "imbalance_ratio=1.3", "*_for=2s", "rate_window=10s")
+    files = sorted(out.glob("*.yml"))
+    rules = [rule for path in files for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
     alerts = [rule for rule in rules if "alert" in rule]
     imbalance = next(rule for rule in alerts if rule["alert"] == "RankscopeRankImbalance")
     assert imbalance["expr"].endswith("> 1.3")
     assert {rule.get("for") for rule in alerts} == {"2s"}
-    assert "[10s]" in (tmp_path / "recording.yml").read_text()
-    assert_ok(promtool("check", "rules", tmp_path / "recording.yml", tmp_path / "alerts.yml"))
+    assert "[10s]" in (out / "performance.yml").read_text()
+    assert_ok(promtool("check", "rules", *files))
 
 
 @pytest.mark.parametrize(
@@ -551,7 +572,7 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
     ],
 )
 def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):
-    assert gen.main(["--out", str(tmp_path), "--set", override]) == 2
+    assert cli.main(["--out", str(tmp_path), "--set", override]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not list(tmp_path.iterdir())
@@ -571,7 +592,7 @@ RECOVERY_UNIT_TESTS = PROM / "tests" / "variants" / "recovery_actions_test.yml"
 
 
 def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_only_their_label():
-    assert {name: gen.action_choices(name) for name in gen.ACTION_TUNABLES} == {
+    assert {name: config.action_choices(name) for name in config.ACTION_TUNABLES} == {
         "memory_action": ["checkpoint", "reduce_micro_batch"],
         "divergence_action": ["reduce_lr", "rollback"],
         "nonfinite_action": ["reduce_lr", "rollback"],
@@ -579,16 +600,16 @@ def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_o
     }
     # ACTION_TUNABLES names exactly the alerts whose rule each tunable changes.
     used = _tunables_used()
-    for name, alerts in gen.ACTION_TUNABLES.items():
-        assert {alert for alert, names in used.items() if name in names} == set(alerts), name
+    for name, choice in config.ACTION_TUNABLES.items():
+        assert {alert for alert, names in used.items() if name in names} == set(choice.alerts), name
 
 
-@pytest.mark.parametrize(("name", "action"), [(n, a) for n in gen.ACTION_TUNABLES for a in gen.action_choices(n)])
+@pytest.mark.parametrize(("name", "action"), [(n, a) for n in config.ACTION_TUNABLES for a in config.action_choices(n)])
 def test_every_action_the_catalog_allows_reaches_its_alerts_label_and_text(name, action):
-    variant = gen.apply_overrides(gen.Tunables(), [f"{name}={action}"])
-    summary, description = gen.effect(action) if action else ("", "")
-    carrying = [alert for alert in gen.alerts(variant) if alert.name in gen.ACTION_TUNABLES[name]]
-    assert len(carrying) == len(gen.ACTION_TUNABLES[name])
+    variant = config.apply_overrides(Tunables(), [f"{name}={action}"])
+    summary, description = config.effect(action) if action else ("", "")
+    carrying = [alert for alert in mixin_rules.alerts(variant) if alert.name in config.ACTION_TUNABLES[name].alerts]
+    assert len(carrying) == len(config.ACTION_TUNABLES[name].alerts)
     for alert in carrying:
         assert alert.action == action, alert.name
         assert summary in alert.summary and description in alert.description.lower(), alert.name
@@ -596,21 +617,19 @@ def test_every_action_the_catalog_allows_reaches_its_alerts_label_and_text(name,
 
 def test_the_choices_follow_the_catalog(monkeypatch):
     # No second list: an action the catalog stops offering an alert is refused for it.
-    catalog = tuple(replace(spec, alerts=()) if spec.name == "rollback" else spec for spec in gen.catalog.CATALOG)
-    monkeypatch.setattr(gen.catalog, "CATALOG", catalog)
-    assert gen.action_choices("divergence_action") == ["reduce_lr"]
+    offered = tuple(spec for spec in catalog.CATALOG if spec.name != "rollback")
+    monkeypatch.setattr(catalog, "CATALOG", offered)
+    assert config.action_choices("divergence_action") == ["reduce_lr"]
     with pytest.raises(ValueError, match=r"^divergence_action must be one of reduce_lr \(the actions"):
-        gen.apply_overrides(gen.Tunables(), ["divergence_action=rollback"])
+        config.apply_overrides(Tunables(), ["divergence_action=rollback"])
 
 
 def test_rules_generated_with_the_recovery_actions_are_valid_and_carry_them(tmp_path):
-    assert gen.main(["--out", str(tmp_path / "rules"), *(f"--set={pair}" for pair in RECOVERY_OVERRIDES)]) == 0
-    rules = sorted((tmp_path / "rules").glob("*.yml"))
-    assert_ok(promtool("check", "rules", *rules))
-    assert_ok(_unit_tests_beside(tmp_path / "rules", [RECOVERY_UNIT_TESTS]))
+    out = generate(tmp_path, *RECOVERY_OVERRIDES)
+    assert_ok(promtool("check", "rules", *sorted(out.glob("*.yml"))))
+    assert_ok(_unit_tests_beside(out, [RECOVERY_UNIT_TESTS]))
     # The same cases against the shipped rules (reduce_lr, checkpoint, no action) fail: they pin the labels.
-    assert gen.main(["--out", str(tmp_path / "shipped" / "rules")]) == 0
-    shipped = _unit_tests_beside(tmp_path / "shipped" / "rules", [RECOVERY_UNIT_TESTS])
+    shipped = _unit_tests_beside(generate(tmp_path / "shipped"), [RECOVERY_UNIT_TESTS])
     assert shipped.returncode != 0 and 'action="reduce_lr"' in shipped.stdout + shipped.stderr
 
 
@@ -630,10 +649,10 @@ def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_th
     # The shipped configuration and rules; only intervals, windows, `for`s and addresses changed
     # (as the end-to-end tests do). The job's rank 1 sleeps 20 ms in every step's compute.
     base = free_port_block(2)
-    assert gen.main(["--out", str(tmp_path / "rules"), "--set", "rate_window=5s", "--set", "*_for=0s"]) == 0
+    out = generate(tmp_path, "rate_window=5s", "*_for=0s")
     config = yaml.safe_load((PROM / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(tmp_path / "rules" / "recording.yml"), str(tmp_path / "rules" / "alerts.yml")]
+    config["rule_files"] = [str(out / "*.yml")]
     del config["alerting"]
     config["scrape_configs"] = [job for job in config["scrape_configs"] if job["job_name"] == "rankscope"]
     config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]}]
@@ -656,7 +675,7 @@ def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_th
     job = None
 
     def diagnose() -> str:
-        seen = {expr: _query(url, expr) for expr in ("up", "ALERTS", gen.COMPUTE_BUSY)}
+        seen = {expr: _query(url, expr) for expr in ("up", "ALERTS", promql.COMPUTE_BUSY)}
         return f"prometheus saw {json.dumps(seen)}\n--- prometheus log\n{tail(prom_log)}\n--- job log\n{tail(job_log)}"
 
     try:
@@ -677,7 +696,7 @@ def test_a_real_prometheus_with_these_rules_names_the_straggler_of_a_real_run_th
             return found if [s["metric"]["rank"] for s in found] == ["1"] else None
 
         straggler = wait_for(
-            lambda: ranks_named(f'{gen.STRAGGLER}{{run_id="rules-it"}}'), 120, "rank 1 named the straggler", diagnose
+            lambda: ranks_named(f'{promql.STRAGGLER}{{run_id="rules-it"}}'), 120, "rank 1 named the straggler", diagnose
         )
         assert float(straggler[0]["value"][1]) > 1, straggler
         firing = 'ALERTS{alertname="RankscopeRankImbalance", alertstate="firing", run_id="rules-it"}'

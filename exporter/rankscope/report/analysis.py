@@ -122,7 +122,7 @@ def straggler(compute_per_rank: Sequence[Series], threshold: float = 1.5) -> Str
 
     A rank's score is the 90th percentile of its ratio over time, so a straggler of the last
     part of a run counts and one noisy rate window does not; it "stands out" at `threshold` (the
-    shipped RankscopeRankImbalance line, which compares with the median of all ranks).
+    shipped straggler alert's line, which compares with the median of all ranks).
     """
     _, ranks, ratios = ratio_to_median(compute_per_rank)
     if not ranks:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rankscope.mixin.config import IMBALANCE_ALERT, Tunables
 from rankscope.report import plots
 from rankscope.report.analysis import Straggler, align, rate_of_change, rolling_correlation
 from rankscope.report.attention import AttentionSnapshot
@@ -39,8 +40,8 @@ __all__ = [
     "utc",
 ]
 
-#: The RankscopeRankImbalance line of the shipped rules: a rank this much slower than the median is a straggler.
-STRAGGLER_RATIO = 1.5
+#: The straggler alert's line of the shipped rules: a rank this much slower than the median is a straggler.
+STRAGGLER_RATIO = Tunables().imbalance_ratio
 #: Section ids, in page order.
 SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "analyses", "attention")
 
@@ -257,8 +258,8 @@ def _training_inputs(data: RunData, logged: dict[str, Series]) -> plots.Training
 
 
 def _straggler_words(found: Straggler, incidents: Incidents) -> str:
-    named = sorted({e.labels.get("rank", "?") for e in incidents.episodes if e.alertname == "RankscopeRankImbalance"})
-    alert = f" RankscopeRankImbalance fired for rank {', '.join(named)}." if named else ""
+    named = sorted({e.labels.get("rank", "?") for e in incidents.episodes if e.alertname == IMBALANCE_ALERT})
+    alert = f" {IMBALANCE_ALERT} fired for rank {', '.join(named)}." if named else ""
     if found.rank is None:
         return "No per-rank compute series: the straggler cannot be named." + alert
     if len(found.ranking) < 2:

@@ -1,0 +1,312 @@
+"""The rule pack's one config: every Tunable, the severities and where each is routed, which alert asks the
+trainer for which action, and the runbook URL pattern.
+
+The rule areas (:mod:`rankscope.mixin.rules`), the dashboards, the Alertmanager routes and the Kubernetes
+resources all read it, so an operator tunes one place (``rankscope-mixin --set NAME=VALUE``) and a test can
+generate a fast variant (short ``for``, short windows) of exactly the rules that ship. The control catalog
+(:mod:`rankscope.control.catalog`) declares the actions and names no alert; which alert may ask for which of
+them is declared here (:data:`ACTION_TUNABLES`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from rankscope import contract
+from rankscope.control import catalog
+from rankscope.mixin.promql import metric_name, num
+
+
+@dataclass(frozen=True)
+class Severity:
+    """What a severity means and where Alertmanager sends it."""
+
+    meaning: str
+    receiver: str
+    group_wait: str = ""
+    group_interval: str = ""
+    repeat_interval: str = ""
+    routed_to: str = "nobody (visible in the Alertmanager UI and Grafana)"
+    """Where the receiver's notifications go, in words (alertmanager.yml's header)."""
+
+
+#: Severity -> meaning and route (also in docs/runbook.md and prometheus/README.md). A severity with the
+#: "null" receiver notifies no one (the Alertmanager default route).
+SEVERITY_ROUTES = {
+    "page": Severity(
+        "a person must look now: the run is stopped, broken, or wasting the whole job's time",
+        "pager",
+        "30s",
+        "5m",
+        "4h",
+        "the pager (a generic webhook; PagerDuty/Slack below)",
+    ),
+    "ticket": Severity(
+        "a person should look within working hours; the trainer may already have acted",
+        "tickets",
+        "5m",
+        "30m",
+        "24h",
+        "the ticket queue (notifies no one until you wire it)",
+    ),
+    "info": Severity("context for dashboards and the Alertmanager UI; notifies no one", "null"),
+}
+#: Alerts with an `action` label go to the trainer's control endpoint first (and then on by severity). Resends
+#: are harmless: the trainer applies each alert once per (fingerprint, startsAt), so repeats only cover a lost
+#: delivery.
+CONTROL_ROUTE = Severity("the trainer acts on the alert's `action` label", "trainer-control", "0s", "30s", "1h")
+SEVERITIES = {name: severity.meaning for name, severity in SEVERITY_ROUTES.items()}
+#: What the trainer's control endpoint can do (the `action` alert label): rankscope.control.catalog.
+ACTIONS = tuple(spec.name for spec in catalog.CATALOG)
+
+
+@dataclass(frozen=True)
+class ActionChoice:
+    """An `*_action` tunable: the alerts whose `action` label it sets and the catalog actions it may take
+    ("" first where the alert may ask for nothing)."""
+
+    alerts: tuple[str, ...]
+    choices: tuple[str, ...]
+
+
+#: Which alert asks the trainer for which action.
+ACTION_TUNABLES = {
+    "memory_action": ActionChoice(
+        ("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh"), ("checkpoint", "reduce_micro_batch")
+    ),
+    "divergence_action": ActionChoice(("RankscopeLossDiverging",), ("reduce_lr", "rollback")),
+    "nonfinite_action": ActionChoice(("RankscopeNonFiniteSteps",), ("reduce_lr", "rollback")),
+    "slow_step_action": ActionChoice(("RankscopeSlowSteps",), ("", "reduce_micro_batch")),
+}
+#: How the alerts' texts say what the trainer does for each action an alert may carry: (in the summary, in the
+#: description). An action without words here fails generation (KeyError naming it).
+EFFECTS = {
+    "checkpoint": ("the trainer checkpoints", "the trainer takes a checkpoint"),
+    "reduce_lr": ("the trainer reduces the learning rate", "the trainer reduces the learning rate"),
+    "rollback": (
+        "the trainer rolls back to an earlier checkpoint",
+        "the trainer reloads the newest checkpoint from before the incident and skips the data that followed it",
+    ),
+    "reduce_micro_batch": (
+        "the trainer halves the micro-batch",
+        "the trainer halves the micro-batch and doubles gradient accumulation (the same global batch)",
+    ),
+}
+#: The straggler alert, by name for the run report (rankscope.report), which names its episodes' ranks.
+IMBALANCE_ALERT = "RankscopeRankImbalance"
+#: Alertmanager inhibitions: (source alert, target alerts). A dead rank stalls the whole run (its peers block
+#: in the next collective) and makes the compute-time comparison meaningless: page once, for the cause.
+INHIBITIONS = (("RankscopeRankDown", ("RankscopeRunStalled", IMBALANCE_ALERT)),)
+
+
+def action_choices(tunable: str) -> list[str]:
+    """The values an `*_action` tunable may take: its declared choices that the catalog still offers (and ""
+    where the alert may ask for nothing)."""
+    return [c for c in ACTION_TUNABLES[tunable].choices if c == "" or catalog.action_spec(c) is not None]
+
+
+def effect(action: str) -> tuple[str, str]:
+    """What the trainer does for `action`, as an alert's summary and its description say it."""
+    if action not in EFFECTS:
+        raise KeyError(f"no words in rankscope.mixin.config.EFFECTS for the catalog action {action!r}")
+    return EFFECTS[action]
+
+
+def sentence(words: str) -> str:
+    return words[0].upper() + words[1:]
+
+
+_DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """Every knob of the rules: thresholds, windows, `for` durations and severities (``*_severity``: one
+    of :data:`SEVERITIES`, saying who is told). Durations are Prometheus durations (``90s``, ``5m``)."""
+
+    rate_window: str = "2m"
+    """Range for rate() and histogram quantiles; keep it >= 4 scrape intervals."""
+    loss_smoothing_window: str = "2m"
+    """Loss is averaged over this range before comparing, so one noisy batch cannot fire."""
+    loss_min_window: str = "30m"
+    """Divergence compares the smoothed loss with its minimum over this range."""
+    loss_change_window: str = "30m"
+    """Sliding window of the loss's rate of change (the least-squares slope of the smoothed loss, per 1000
+    steps, relative to its mean level); the plateau alert waits until a run has reported loss this long."""
+
+    host_memory_ratio: float = 0.85
+    """Host memory in use (0..1) above which the trainer checkpoints."""
+    host_memory_for: str = "1m"
+    host_memory_severity: str = "ticket"
+    device_memory_ratio: float = 0.90
+    """Allocated device memory over total (0..1) above which the trainer checkpoints."""
+    device_memory_kind: str = "allocated"
+    """Which `kind` of rankscope_device_memory_bytes counts as used (reserved sits near total in healthy runs)."""
+    device_memory_for: str = "1m"
+    device_memory_severity: str = "ticket"
+    memory_action: str = "checkpoint"
+    """What both memory alerts ask the trainer for: checkpoint, or reduce_micro_batch (the same global batch in
+    half-size micro-batches; the reference trainer checkpoints first). Choices: :func:`action_choices`."""
+
+    divergence_factor: float = 2.0
+    """The smoothed loss above this many times its window minimum is divergence."""
+    divergence_for: str = "2m"
+    divergence_severity: str = "ticket"
+    divergence_action: str = "reduce_lr"
+    """What divergence asks the trainer for: reduce_lr, or rollback (reload the newest checkpoint from before
+    the incident and skip the data after it)."""
+    nonfinite_window: str = "10m"
+    """Range over which non-finite steps are counted."""
+    nonfinite_steps: float = 2.0
+    """More than this many non-finite steps in the window fires (fp16 loss scaling skips a few by design)."""
+    nonfinite_for: str = "0s"
+    nonfinite_severity: str = "page"
+    nonfinite_action: str = "reduce_lr"
+    """What non-finite steps ask the trainer for: reduce_lr, or rollback (weights a NaN already reached come
+    back from the checkpoint)."""
+    loss_scale_min: float = 1.0
+    """A GradScaler's loss scale below this has collapsed: fp16 cannot represent the gradients even unscaled."""
+    loss_scale_overflow_share: float = 0.05
+    """Overflow-skipped steps as a share of all steps (0..1) above this: dynamic scaling skips about one step
+    per growth interval (2000 by default) by design; this many mean the updates themselves are being lost."""
+    loss_scale_window: str = "15m"
+    """Range over which the share of overflow-skipped steps is measured."""
+    loss_scale_for: str = "10m"
+    loss_scale_severity: str = "ticket"
+    checkpoint_failure_window: str = "1h"
+    """A failed checkpoint keeps its alert firing this long (each failure is an event; no `for`)."""
+    checkpoint_failing_for: str = "0s"
+    checkpoint_failing_severity: str = "page"
+    loss_plateau_improvement: float = 0.01
+    """The smoothed training loss improving by less than this share (0..1) of its level per 1000 steps, over
+    `loss_change_window`, has plateaued (a loss that climbs has not improved either)."""
+    loss_plateau_for: str = "15m"
+    loss_plateau_severity: str = "ticket"
+    val_loss_plateau_window: str = "1h"
+    """The best validation loss of this window is compared with the best of the window before it; keep it
+    several validation intervals long (validation is sparse: a value every `val_every` steps)."""
+    val_loss_plateau_improvement: float = 0.01
+    """The window's best validation loss improving on the previous window's best by less than this share (0..1)
+    is a plateau (a validation loss that got worse has not improved either)."""
+    val_loss_plateau_for: str = "30m"
+    val_loss_plateau_severity: str = "ticket"
+    grad_norm_explosion: float = 1e5
+    """Total gradient norm above this is an explosion."""
+    grad_explosion_for: str = "5m"
+    grad_explosion_severity: str = "ticket"
+    grad_norm_vanishing: float = 1e-7
+    """Total gradient norm below this, while the run steps, is vanishing."""
+    grad_vanishing_for: str = "15m"
+    grad_vanishing_severity: str = "ticket"
+
+    imbalance_ratio: float = 1.5
+    """Slowest rank's compute time over the median rank's. With 2 ranks the ratio is 2k/(k+1) for a k-times
+    slower rank, so it never reaches 2; 1.5 means one rank 3x slower. With many ranks it is k itself."""
+    imbalance_for: str = "10m"
+    imbalance_severity: str = "page"
+    data_wait_p90_seconds: float = 0.1
+    """p90 data-loader wait per rank above this is a bottleneck. It must be a bucket boundary of
+    rankscope_data_wait_seconds: "p90 above it" is read as "more than 10 % of batches in the buckets above it",
+    which needs one bucket per rank instead of all of them and is exact at a boundary."""
+    data_wait_share: float = 0.4
+    """Data wait as a share of step time (0..1) above this is a bottleneck."""
+    data_loader_for: str = "10m"
+    data_loader_severity: str = "ticket"
+    comm_share: float = 0.5
+    """Run-wide all-reduce time as a share of step time (0..1) above this is high overhead."""
+    comm_for: str = "15m"
+    comm_severity: str = "ticket"
+    slow_step_seconds: float = 30.0
+    """A rank's mean step time over `rate_window` above this is slow (the design's "mean batch time above a
+    threshold"): set it from the job's budget; the default only catches steps gone pathologically slow."""
+    slow_step_for: str = "10m"
+    slow_step_severity: str = "ticket"
+    slow_step_action: str = ""
+    """What slow steps ask the trainer for: nothing ("", a person decides) or reduce_micro_batch."""
+
+    stall_seconds: float = 600.0
+    """No completed step for this long, while the ranks are scraped, is a stalled run."""
+    stall_for: str = "1m"
+    stall_severity: str = "page"
+    rank_down_for: str = "2m"
+    rank_down_severity: str = "page"
+    rank_down_lookback: str = "30m"
+    """A down target counts as a rank of a live run if it served metrics within this range and its last
+    `rankscope_run_finished` there was not 1."""
+    paused_for: str = "30m"
+    paused_severity: str = "info"
+
+    runbook_url: str = "https://github.com/rankscope/rankscope/blob/main/docs/runbook.md#{alert}"
+    """Every alert's runbook_url: ``{alert}`` stands for the lower-cased alert name (the runbook's anchor)."""
+    evaluation_interval: str = ""
+    """Rule-group evaluation interval; empty uses Prometheus's global evaluation_interval."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith(("_for", "_window", "_lookback")) and not _DURATION.match(value):
+                raise ValueError(f"{f.name} must be a Prometheus duration such as 30s or 5m, got {value!r}")
+        if "{alert}" not in self.runbook_url:
+            raise ValueError(f"runbook_url must contain {{alert}} (the alert's anchor), got {self.runbook_url!r}")
+        if self.evaluation_interval and not _DURATION.match(self.evaluation_interval):
+            raise ValueError(
+                f"evaluation_interval must be empty or a duration such as 15s, got {self.evaluation_interval!r}"
+            )
+        for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
+                     "loss_scale_overflow_share", "loss_plateau_improvement",
+                     "val_loss_plateau_improvement"):  # fmt: skip
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be between 0 and 1 (exclusive), got {getattr(self, name)}")
+        for name in ("divergence_factor", "imbalance_ratio"):
+            if not getattr(self, name) > 1:
+                raise ValueError(f"{name} must be greater than 1, got {getattr(self, name)}")
+        for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
+                     "loss_scale_min", "slow_step_seconds"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        if self.nonfinite_steps < 0:
+            raise ValueError(f"nonfinite_steps must be >= 0, got {self.nonfinite_steps}")
+        for f in fields(self):
+            if f.name.endswith("_severity") and getattr(self, f.name) not in SEVERITIES:
+                raise ValueError(f"{f.name} must be one of {', '.join(SEVERITIES)}, got {getattr(self, f.name)!r}")
+        boundaries = contract.metric("data_wait_seconds").buckets
+        if self.data_wait_p90_seconds not in boundaries:
+            raise ValueError(
+                f"data_wait_p90_seconds must be a bucket boundary of {metric_name('data_wait_seconds')} "
+                f"({', '.join(num(b) for b in boundaries)}), got {num(self.data_wait_p90_seconds)}"
+            )
+        if self.device_memory_kind not in ("allocated", "reserved", "peak"):
+            raise ValueError(f"device_memory_kind must be allocated, reserved or peak, got {self.device_memory_kind!r}")
+        for name in ACTION_TUNABLES:
+            choices = action_choices(name)
+            if getattr(self, name) not in choices:
+                allowed = ", ".join(c or '"" (no action)' for c in choices)
+                raise ValueError(
+                    f"{name} must be one of {allowed} (the actions rankscope.mixin.config lets "
+                    f"{' and '.join(ACTION_TUNABLES[name].alerts)} ask for), got {getattr(self, name)!r}"
+                )
+
+
+def apply_overrides(t: Tunables, pairs: list[str]) -> Tunables:
+    """Apply ``NAME=VALUE`` overrides; NAME may be a pattern (``*_for``). Errors name the bad pair."""
+    kinds = {f.name: f.type for f in fields(t)}  # annotations are strings (postponed evaluation)
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--set expects NAME=VALUE, got {pair!r}")
+        matched = [n for n in kinds if fnmatch.fnmatchcase(n, name)]
+        if not matched:
+            raise ValueError(f"--set {pair!r}: no tunable matches {name!r}; known: {', '.join(kinds)}")
+        for n in matched:
+            if kinds[n] == "float":
+                try:
+                    changes[n] = float(raw)
+                except ValueError:
+                    raise ValueError(f"--set {pair!r}: {n} must be a number, got {raw!r}") from None
+            else:
+                changes[n] = raw
+    return replace(t, **changes)

@@ -1,0 +1,139 @@
+"""Shared PromQL: contract names, number formatting, the rate and counting idioms, and the names of every
+recorded series (``level:metric:operation``), read by the rule areas, the dashboards and the tests.
+
+``run`` aggregates by ``run_id``; ``run_rank`` by ``run_id, node, rank``. Metric names, histogram buckets
+and identity labels come from :mod:`rankscope.contract`: a metric renamed or removed there fails generation.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rankscope import contract
+
+RUN = "run_id"
+NODE = "run_id, node"
+RANK = "run_id, node, rank"
+assert {"run_id", "node", "rank"} <= set(contract.IDENTITY_LABELS)
+
+#: One rank per node stands for all of them where DDP makes every rank's value the same: the all-reduce makes
+#: every rank's step take the same wall time and every rank complete every step. Reading local rank 0 of each
+#: node is 1/8 of the series at 8 ranks per node, and torchrun gives every node a local rank 0.
+ONE_PER_NODE = '{local_rank="0"}'
+
+
+def metric_name(short: str, series: str = "") -> str:
+    """A contract metric's exposed name (KeyError naming it if the contract has no such metric);
+    `series` picks ``bucket``/``sum``/``count`` of a histogram."""
+    spec = contract.metric(short)
+    if not series:
+        return spec.name
+    if spec.kind is not contract.MetricKind.HISTOGRAM:
+        raise ValueError(f"{spec.name} is a {spec.kind.value}, it has no _{series} series")
+    return f"{spec.name}_{series}"
+
+
+def num(value: float) -> str:
+    """A float as PromQL and people read it: 0.85, 100000, 1e-07."""
+    return format(value, "g")
+
+
+def percent(share: float) -> str:
+    """A 0..1 share as people read it: 0.01 -> 1%, 0.005 -> 0.5%."""
+    return f"{share * 100:g}%"
+
+
+def le(bound: float) -> str:
+    """A bucket boundary as the exporter writes it in `le` (prometheus_client: Go's float formatting)."""
+    return repr(float(bound))
+
+
+def counted_in_window(counter: str, window: str) -> str:
+    """How much a small counter grew in `window`, without increase()'s extrapolation.
+
+    increase() scales the growth it saw to the whole window, so 2 events can read as 2.1 and
+    cross a "> 2" threshold. The spread max - min counts exactly, but reads a restart (a reset to 0)
+    as growth; increase() handles resets. The smaller of the two is exact in both cases:
+    `A < B or B` is min(A, B) per series. Three range functions: give it a run-level series
+    (one per run), never every rank's.
+    """
+    growth = f"increase({counter}[{window}])"
+    spread = f"(max_over_time({counter}[{window}]) - min_over_time({counter}[{window}]))"
+    return f"({growth} < {spread}) or {spread}"
+
+
+def rate_by(by: str, series: str, window: str, matchers: str = "") -> str:
+    return f"sum by ({by}) (rate({series}{matchers}[{window}]))"
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """numerator / denominator; no series (rather than NaN or Inf) where the denominator is 0."""
+    return f"{numerator}\n/\n({denominator} > 0)"
+
+
+def _quantile_name(q: float) -> str:
+    return "p" + format(q * 100, "g").replace(".", "")
+
+
+def _counter(short: str) -> str:
+    return metric_name(short).removesuffix("_total")
+
+
+# --- recorded series (level:metric:operation), by the area that records them -------------------------------
+# performance
+COMPUTE_BUSY = f"run_rank:{metric_name('compute_duration_seconds', 'sum')}:rate"
+COMPUTE_MEDIAN = f"run:{metric_name('compute_duration_seconds')}:median"
+IMBALANCE = f"run:{metric_name('compute_duration_seconds')}:imbalance_ratio"
+STRAGGLER = f"run:{metric_name('compute_duration_seconds')}:straggler_ratio"
+STEP_BUCKET_RATE = f"run:{metric_name('step_duration_seconds', 'bucket')}:rate"
+STEP_SUM_RATE = f"run:{metric_name('step_duration_seconds', 'sum')}:avg_rate"
+COMM_SUM_RATE = f"run:{metric_name('comm_duration_seconds', 'sum')}:avg_rate"
+COMM_SHARE = f"run:{metric_name('comm_duration_seconds')}:share"
+STEP_QUANTILES = {q: f"run:{metric_name('step_duration_seconds')}:{_quantile_name(q)}" for q in (0.5, 0.99)}
+SAMPLES_RATE = f"run:{_counter('samples_total')}:rate"
+TOKENS_RATE = f"run:{_counter('tokens_total')}:rate"
+STEPS_RATE = f"run:{_counter('steps_total')}:rate"
+# training
+LOSS_SMOOTHED = f"run:{metric_name('loss')}:smoothed"
+LOSS_WINDOW_MIN = f"run:{metric_name('loss')}:window_min"
+VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
+NONFINITE_MAX = f"run:{metric_name('nonfinite_steps_total')}:max"
+GRAD_NORM_MAX = f"run:{metric_name('grad_norm')}:max"
+# convergence
+#: The loss's rate of change is per this many steps (the unit of LOSS_CHANGE's name, not a threshold).
+LOSS_CHANGE_STEPS = 1000
+LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
+# liveness
+PAUSED_MAX = f"run:{metric_name('paused')}:max"
+# reliability
+CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
+
+
+_RECORDED_NAME = re.compile(r"\b[a-z_]+:[a-zA-Z0-9_]+:[a-zA-Z0-9_]+\b")
+
+
+def recorded_names(expr: str) -> set[str]:
+    """The recorded series (``level:metric:operation``) an expression reads."""
+    return set(_RECORDED_NAME.findall(expr))
+
+
+def recording_depth(rules: list[dict[str, str]]) -> dict[str, int]:
+    """Recorded series -> its level: 1 reads only scraped series, n reads some series of level n - 1.
+
+    A remote ruler (vmalert) sees a recorded series only after it wrote it, and Prometheus evaluates
+    the groups side by side, so a series read from another group is one evaluation old: each level may
+    add an evaluation to an alert's delay. Within a group Prometheus evaluates top to bottom in one pass.
+    """
+    depth: dict[str, int] = {}
+    for rule in rules:  # in dependency order
+        depth[rule["record"]] = 1 + expression_depth(rule["expr"], depth)
+    return depth
+
+
+def expression_depth(expr: str, depth: dict[str, int]) -> int:
+    """The highest level of the recorded series `expr` reads (0: only scraped ones)."""
+    read = recorded_names(expr)
+    unknown = sorted(read - set(depth))
+    if unknown:
+        raise ValueError(f"{expr!r} reads {unknown} before any rule records it")
+    return max((depth[n] for n in read), default=0)

@@ -1,0 +1,149 @@
+"""Recording and alerting rules, one module per area, one rule group (and file) per module.
+
+Each area module here (``training.py`` -> group ``rankscope.training`` in ``prometheus/rules/training.yml``,
+tested by ``prometheus/tests/training_test.yml``) defines two functions of the config's
+:class:`~rankscope.mixin.config.Tunables`:
+
+- ``records(t) -> list[dict]``: the group's recording rules, in dependency order;
+- ``alerts(t) -> list[Alert]``: its alerts, evaluated after its records in the same pass.
+
+Areas are found by listing this package (modules starting with ``_`` are skipped), and the groups are
+ordered so that a group comes after every group whose recorded series it reads. Prometheus evaluates
+groups side by side and reports each one's evaluation time; a series read from another group is one
+evaluation old, which :func:`rankscope.mixin.promql.recording_depth` bounds.
+
+The rules are built for runs of thousands of ranks: every rate over a rank's series is computed once
+per evaluation; quantiles are built from the run's bucket rates and only where a panel or an alert reads
+them (never per rank); where DDP makes every rank's value the same, one rank per node is read
+(``ONE_PER_NODE``); range functions over long windows read run-level recorded series, never every
+rank's; and no alert reads a series more than two recording levels above the scraped data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+from rankscope.mixin import _yaml
+from rankscope.mixin.config import Tunables
+from rankscope.mixin.promql import recorded_names
+
+__all__ = ["Alert", "Area", "alerts", "areas", "groups", "recording_rules", "render"]
+
+#: The prefix of every group's name.
+GROUP_PREFIX = "rankscope."
+#: How alert descriptions name a rank.
+RANK_TEXT = "rank {{ $labels.rank }} (node {{ $labels.node }}) of run {{ $labels.run_id }}"
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+    description: str
+    action: str = ""
+
+    def to_rule(self, t: Tunables) -> dict[str, Any]:
+        rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
+        if self.for_ not in ("0s", "0m"):
+            rule["for"] = self.for_
+        labels = {"severity": self.severity}
+        if self.action:
+            labels["action"] = self.action
+        rule["labels"] = labels
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook_url": t.runbook_url.replace("{alert}", self.name.lower()),
+        }
+        return rule
+
+
+@dataclass(frozen=True)
+class Area:
+    """One area module: its name (the group's last part and the file's stem) and its rules."""
+
+    name: str
+    module: ModuleType
+
+    @property
+    def group(self) -> str:
+        return GROUP_PREFIX + self.name
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.yml"
+
+    def records(self, t: Tunables) -> list[dict[str, str]]:
+        return list(self.module.records(t))
+
+    def alerts(self, t: Tunables) -> list[Alert]:
+        return list(self.module.alerts(t))
+
+    def rules(self, t: Tunables) -> list[dict[str, Any]]:
+        return self.records(t) + [alert.to_rule(t) for alert in self.alerts(t)]
+
+
+@cache
+def _modules() -> tuple[Area, ...]:
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            found.append(Area(info.name, importlib.import_module(f"{__name__}.{info.name}")))
+    return tuple(found)
+
+
+def areas(t: Tunables | None = None) -> list[Area]:
+    """Every area, each after the areas whose recorded series it reads (then by name)."""
+    t = t or Tunables()
+    pending = list(_modules())
+    made = {area.name: {rule["record"] for rule in area.records(t)} for area in pending}
+    reads = {
+        area.name: {n for rule in area.rules(t) for n in recorded_names(rule["expr"])} - made[area.name]
+        for area in pending
+    }
+    ordered: list[Area] = []
+    while pending:
+        done = {n for area in ordered for n in made[area.name]}
+        ready = [area for area in pending if not reads[area.name] - done]
+        if not ready:
+            left = {area.name: sorted(reads[area.name] - done) for area in pending}
+            raise ValueError(f"rule areas read series no area records (or read each other's in a cycle): {left}")
+        ordered.append(ready[0])
+        pending.remove(ready[0])
+    return ordered
+
+
+def groups(t: Tunables) -> list[dict[str, Any]]:
+    """Every rule group, in evaluation order."""
+    found = []
+    for area in areas(t):
+        group: dict[str, Any] = {"name": area.group}
+        if t.evaluation_interval:
+            group["interval"] = t.evaluation_interval
+        group["rules"] = area.rules(t)
+        found.append(group)
+    return found
+
+
+def alerts(t: Tunables) -> list[Alert]:
+    """Every alert, area by area."""
+    return [alert for area in areas(t) for alert in area.alerts(t)]
+
+
+def recording_rules(t: Tunables) -> list[dict[str, str]]:
+    """Every recording rule, area by area (each after the series it reads)."""
+    return [rule for area in areas(t) for rule in area.records(t)]
+
+
+def render(t: Tunables) -> dict[str, str]:
+    """File name -> YAML text of every rule file (one group each)."""
+    by_name = {group["name"]: group for group in groups(t)}
+    return {area.file_name: _yaml.HEADER + _yaml.dump({"groups": [by_name[area.group]]}) for area in areas(t)}

@@ -1,0 +1,146 @@
+"""Performance: throughput, step-time quantiles, compute imbalance (the straggler), the data loader,
+communication overhead and slow steps."""
+
+from __future__ import annotations
+
+from rankscope.mixin.config import IMBALANCE_ALERT, Tunables, effect, sentence
+from rankscope.mixin.promql import (
+    COMM_SHARE,
+    COMM_SUM_RATE,
+    COMPUTE_BUSY,
+    COMPUTE_MEDIAN,
+    IMBALANCE,
+    ONE_PER_NODE,
+    PAUSED_MAX,
+    RANK,
+    RUN,
+    SAMPLES_RATE,
+    STEP_BUCKET_RATE,
+    STEP_QUANTILES,
+    STEP_SUM_RATE,
+    STEPS_RATE,
+    STRAGGLER,
+    TOKENS_RATE,
+    le,
+    metric_name,
+    num,
+    rate_by,
+    ratio,
+)
+from rankscope.mixin.rules import RANK_TEXT, Alert
+
+
+def records(t: Tunables) -> list[dict[str, str]]:
+    """Rates of the scraped series, each computed once (level 1), and what is built from them.
+
+    No quantile per rank is recorded: a panel asks for the ranks it shows, when someone looks.
+    """
+    w = t.rate_window
+    step = metric_name("step_duration_seconds")
+    busy_median = f"quantile by ({RUN}) (0.5, {COMPUTE_BUSY})"
+    return [
+        # --- level 1 ----------------------------------------------------------------------------------------
+        # Compute time (step - comm - data wait) is the per-rank signal: under DDP the all-reduce makes every
+        # rank's step equally long, and a fast rank's waiting is counted in its comm time. Compute seconds per
+        # second: every rank completes every step, so ranks compare as their means per step would.
+        {"record": COMPUTE_BUSY, "expr": rate_by(RANK, metric_name("compute_duration_seconds", "sum"), w)},
+        {"record": STEPS_RATE, "expr": f"avg by ({RUN}) (rate({metric_name('steps_total')}{ONE_PER_NODE}[{w}]))"},
+        {"record": STEP_BUCKET_RATE, "expr": rate_by(f"{RUN}, le", f"{step}_bucket", w, ONE_PER_NODE)},
+        {"record": STEP_SUM_RATE, "expr": f"avg by ({RUN}) (rate({step}_sum{ONE_PER_NODE}[{w}]))"},
+        # All ranks: a fast rank's comm time includes its waiting for the slow one.
+        {"record": COMM_SUM_RATE, "expr": f"avg by ({RUN}) (rate({metric_name('comm_duration_seconds', 'sum')}[{w}]))"},
+        # Every rank counts its own share of the global batch, so the run's throughput is the sum.
+        {"record": SAMPLES_RATE, "expr": rate_by(RUN, metric_name("samples_total"), w)},
+        {"record": TOKENS_RATE, "expr": rate_by(RUN, metric_name("tokens_total"), w)},
+        # --- level 2: from level 1 only ---------------------------------------------------------------------
+        *({"record": record, "expr": f"histogram_quantile({num(q)}, {STEP_BUCKET_RATE})"}
+          for q, record in STEP_QUANTILES.items()),
+        {"record": COMM_SHARE, "expr": ratio(COMM_SUM_RATE, STEP_SUM_RATE)},
+        # Seconds of compute per step of the median rank.
+        {"record": COMPUTE_MEDIAN, "expr": ratio(busy_median, STEPS_RATE)},
+        {
+            # The slowest rank of each run over the median rank; its `rank` and `node` labels name the straggler
+            # (a run of one rank has ratio 1, below any imbalance_ratio). The median is taken here, not read
+            # from its recorded series, so the alert stays two levels above the scraped data.
+            "record": STRAGGLER,
+            "expr": f"topk by ({RUN}) (1, {COMPUTE_BUSY})\n/ on ({RUN}) group_left ()\n({busy_median} > 0)",
+        },
+        # --- level 3: dashboards only ----------------------------------------------------------------------
+        # The slowest rank over the median one is the straggler's ratio: read from it, not from every rank again.
+        {"record": IMBALANCE, "expr": f"max by ({RUN}) ({STRAGGLER})"},
+    ]  # fmt: skip
+
+
+def alerts(t: Tunables) -> list[Alert]:
+    data = metric_name("data_wait_seconds")
+    slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
+    step = metric_name("step_duration_seconds")
+    if t.slow_step_action:  # the summary's and the description's last words
+        acts, said = effect(t.slow_step_action)
+        slow_steps = (f"; {acts}", f" {sentence(said)}.")
+    else:
+        slow_steps = ("", " The run trains far slower than planned.")
+    return [
+        Alert(
+            IMBALANCE_ALERT,
+            f"{STRAGGLER} > {num(t.imbalance_ratio)}",
+            t.imbalance_for,
+            t.imbalance_severity,
+            "One rank is a straggler: its compute time per step is far above the median rank's.",
+            f'Straggler: {RANK_TEXT} computes {{{{ $value | printf "%.2f" }}}}x as long per step as the median '
+            f"rank (threshold {num(t.imbalance_ratio)}) for {t.imbalance_for}. Every other rank waits for it in "
+            "the all-reduce.",
+        ),
+        Alert(
+            "RankscopeDataLoaderBottleneck",
+            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
+            # Each rank's own rates, in one expression: a ratio of rates taken at different times is noise,
+            # and at a 10 % line noise pages. Computed here, not recorded: nothing else reads them per rank.
+            # Matched series by series and aggregated at the end, where only the ranks over a line are left.
+            f"max by ({RANK}, signal) (\n"
+            f"  label_replace(\n    1 - rate({data}_bucket{slow}[{t.rate_window}])\n"
+            f"    / ignoring (le) (rate({data}_count[{t.rate_window}]) > 0)\n    > 0.1,\n"
+            f'    "signal", "p90_wait", "", ""\n  )\n'
+            f"  or\n"
+            f"  label_replace(\n    rate({data}_sum[{t.rate_window}])\n"
+            f"    / (rate({metric_name('step_duration_seconds', 'sum')}[{t.rate_window}]) > 0)\n"
+            f"    > {num(t.data_wait_share)},\n"
+            f'    "signal", "wait_share", "", ""\n  )\n)',
+            t.data_loader_for,
+            t.data_loader_severity,
+            "A rank waits too long for its data loader.",
+            f"Data loader of {RANK_TEXT} is a bottleneck: "
+            f'{{{{ if eq $labels.signal "p90_wait" }}}}p90 wait per batch is above {num(t.data_wait_p90_seconds)}s '
+            "({{ $value | humanizePercentage }} of batches waited longer)"
+            "{{ else }}waiting for data takes {{ $value | humanizePercentage }} of step time "
+            f"(threshold {t.data_wait_share:.0%}){{{{ end }}}} for {t.data_loader_for}.",
+        ),
+        Alert(
+            "RankscopeCommOverheadHigh",
+            f"{COMM_SHARE} > {num(t.comm_share)}",
+            t.comm_for,
+            t.comm_severity,
+            "Gradient all-reduce takes a large share of step time.",
+            "Run {{ $labels.run_id }} spends {{ $value | humanizePercentage }} of its step time in gradient "
+            f"all-reduce (threshold {t.comm_share:.0%}) for {t.comm_for}.",
+        ),
+        Alert(
+            "RankscopeSlowSteps",
+            # Each rank's mean step time over the window, from its own rates (the ratio of two rates taken at one
+            # time). A run that stopped stepping has no mean (its count's rate is 0): a stall, not slow steps.
+            # A paused run is excluded at once, as the stall alert excludes it.
+            f"max by ({RANK}) (\n"
+            f"  rate({step}_sum[{t.rate_window}])\n"
+            f"  / (rate({step}_count[{t.rate_window}]) > 0)\n"
+            f")\n"
+            f"> {num(t.slow_step_seconds)}\n"
+            f"unless on ({RUN})\n"
+            f"{PAUSED_MAX} > 0",
+            t.slow_step_for,
+            t.slow_step_severity,
+            f"Training steps are slow: a rank's mean step time is above its threshold{slow_steps[0]}.",
+            f"The mean step time of {RANK_TEXT} is {{{{ $value | humanizeDuration }}}} over the last {t.rate_window} "
+            f"(threshold {num(t.slow_step_seconds)}s) for {t.slow_step_for}.{slow_steps[1]}",
+            t.slow_step_action,
+        ),
+    ]

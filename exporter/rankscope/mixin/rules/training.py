@@ -1,0 +1,107 @@
+"""Training health: the loss diverging, non-finite steps, the loss scale, exploding and vanishing gradients."""
+
+from __future__ import annotations
+
+from rankscope.mixin.config import Tunables, effect, sentence
+from rankscope.mixin.promql import (
+    GRAD_NORM_MAX,
+    LOSS_SMOOTHED,
+    LOSS_WINDOW_MIN,
+    NONFINITE_MAX,
+    ONE_PER_NODE,
+    RUN,
+    STEPS_RATE,
+    counted_in_window,
+    metric_name,
+    num,
+)
+from rankscope.mixin.rules import Alert
+
+
+def records(t: Tunables) -> list[dict[str, str]]:
+    """The run's smoothed loss and its window minimum, and per-run values the alerts read: every rank's series
+    is read once per evaluation instead of once per alert."""
+    loss = metric_name("loss")
+    return [
+        # Each rank's loss is its own micro-batch's: the run's is their average.
+        {
+            "record": LOSS_SMOOTHED,
+            "expr": f'avg by ({RUN}) (avg_over_time({loss}{{split="train"}}[{t.loss_smoothing_window}]))',
+        },
+        {"record": LOSS_WINDOW_MIN, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_min_window}])"},
+        {"record": NONFINITE_MAX, "expr": f"max by ({RUN}) ({metric_name('nonfinite_steps_total')})"},
+        {"record": GRAD_NORM_MAX, "expr": f"max by ({RUN}) ({metric_name('grad_norm')})"},
+    ]
+
+
+def alerts(t: Tunables) -> list[Alert]:
+    overflows = metric_name("loss_scale_overflows_total")
+    divergence, divergence_said = effect(t.divergence_action)
+    nonfinite, nonfinite_said = effect(t.nonfinite_action)
+    return [
+        Alert(
+            "RankscopeLossDiverging",
+            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_WINDOW_MIN}\nand {LOSS_WINDOW_MIN} > 0",
+            t.divergence_for,
+            t.divergence_severity,
+            f"Training loss is diverging; {divergence}.",
+            "The training loss of run {{ $labels.run_id }} (all ranks, averaged over "
+            f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
+            f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
+            f"{sentence(divergence_said)}.",
+            t.divergence_action,
+        ),
+        Alert(
+            "RankscopeNonFiniteSteps",
+            # Every rank counts the steps it saw go non-finite (a NaN on one rank reaches all through the
+            # all-reduce); the run's count is the highest, pre-aggregated once at the head of this group.
+            f"({counted_in_window(NONFINITE_MAX, t.nonfinite_window)}) > {num(t.nonfinite_steps)}",
+            t.nonfinite_for,
+            t.nonfinite_severity,
+            f"Training steps produce NaN or infinite loss or gradients; {nonfinite}.",
+            'Run {{ $labels.run_id }} had {{ $value | printf "%.0f" }} steps with a non-finite loss or gradient '
+            f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires). "
+            f"{sentence(nonfinite_said)}; check that the loss recovers.",
+            t.nonfinite_action,
+        ),
+        Alert(
+            "RankscopeLossScaleCollapse",
+            # Every rank's GradScaler sees the same all-reduced gradients: one rank per node tells the run's.
+            f"label_replace(min by ({RUN}) ({metric_name('loss_scale')}{ONE_PER_NODE}) < {num(t.loss_scale_min)}, "
+            f'"signal", "scale", "", "")\n'
+            f"or\n"
+            f"label_replace(\n"
+            f"  max by ({RUN}) (rate({overflows}{ONE_PER_NODE}[{t.loss_scale_window}]))\n"
+            f"  /\n"
+            f"  (max by ({RUN}) (rate({metric_name('steps_total')}{ONE_PER_NODE}[{t.loss_scale_window}])) > 0)\n"
+            f'  > {num(t.loss_scale_overflow_share)}, "signal", "overflow_share", "", ""\n'
+            f")",
+            t.loss_scale_for,
+            t.loss_scale_severity,
+            "Dynamic loss scaling is failing: the GradScaler's scale collapsed or most steps overflow.",
+            "Run {{ $labels.run_id }}: "
+            '{{ if eq $labels.signal "scale" }}the GradScaler\'s loss scale is {{ $value | printf "%.3g" }} '
+            f"(below {num(t.loss_scale_min)})"
+            "{{ else }}{{ $value | humanizePercentage }} of steps overflowed and were skipped "
+            f"(threshold {t.loss_scale_overflow_share:.0%} over {t.loss_scale_window}){{{{ end }}}} "
+            f"for {t.loss_scale_for}. fp16 no longer represents the gradients; the updates are being lost.",
+        ),
+        Alert(
+            "RankscopeGradientExplosion",
+            f"{GRAD_NORM_MAX} > {num(t.grad_norm_explosion)}",
+            t.grad_explosion_for,
+            t.grad_explosion_severity,
+            "The total gradient norm is exploding.",
+            'The total gradient norm of run {{ $labels.run_id }} is {{ $value | printf "%.3g" }}, above '
+            f"{num(t.grad_norm_explosion)}, for {t.grad_explosion_for}.",
+        ),
+        Alert(
+            "RankscopeGradientVanishing",
+            f"{GRAD_NORM_MAX} < {num(t.grad_norm_vanishing)}\nand on ({RUN}) {STEPS_RATE} > 0",
+            t.grad_vanishing_for,
+            t.grad_vanishing_severity,
+            "The total gradient norm has vanished while the run keeps stepping.",
+            'The total gradient norm of run {{ $labels.run_id }} is {{ $value | printf "%.3g" }}, below '
+            f"{num(t.grad_norm_vanishing)}, for {t.grad_vanishing_for} while the run is stepping: it is not learning.",
+        ),
+    ]
