@@ -189,3 +189,39 @@ def test_a_bad_period_is_refused(seconds):
 def test_monitor_config_names_a_bad_page_cache_setting(value):
     with pytest.raises(ValueError, match="metrics.page_cache_seconds must be between 0 and 3600"):
         MonitorConfig(page_cache_seconds=value)
+
+
+def test_a_gauge_given_a_function_after_the_first_render_shows_the_function():
+    # Issue 24: the renderer was fixed at the first render, so the page kept the old value.
+    registry = CollectorRegistry()
+    plain = Gauge("rankscope_test_plain", "no labels", registry=registry)
+    labelled = Gauge("rankscope_test_labelled", "labels", ["kind"], registry=registry)
+    plain.set(1)
+    labelled.labels(kind="a").set(1)
+    renderer = PageRenderer(registry)
+    assert b"rankscope_test_plain 1.0" in renderer.render()
+    plain.set_function(lambda: 42)
+    labelled.labels(kind="a").set_function(lambda: 7)
+    page = renderer.render()
+    assert parsed(page) == parsed(generate_latest(registry))  # what prometheus_client shows
+    assert b"rankscope_test_plain 42.0" in page and b'rankscope_test_labelled{kind="a"} 7.0' in page
+
+
+def test_a_state_change_makes_the_next_request_render_within_the_cache_period():
+    # Issue 23: the page was reused for its whole period, so a scrape right after finish() or an
+    # action could show the state before it.
+    from rankscope.serving.exposition import state_changed
+
+    now, renders = [0.0], []
+
+    def render() -> bytes:
+        renders.append(now[0])
+        return b"page %d" % len(renders)
+
+    page = CachedPage(render, 60.0, clock=lambda: now[0])
+    assert page.get() == b"page 1" and page.get() == b"page 1"
+    state_changed()
+    assert page.peek() is None  # the I/O thread never serves the stale page
+    assert page.get() == b"page 2" and page.get() == b"page 2"
+    now[0] = 1.0
+    assert page.peek() == b"page 2"

@@ -194,7 +194,11 @@ def test_idle_half_sent_and_kept_alive_connections_are_closed_after_the_read_tim
 def test_pipelined_requests_on_one_connection_get_their_answers_in_order(kind):
     with running(kind) as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         path = PATHS[kind].encode()
-        sock.sendall(b"GET " + path + b" HTTP/1.1\r\n\r\nGET /nowhere HTTP/1.1\r\nConnection: close\r\n\r\n")
+        sock.sendall(
+            b"GET "
+            + path
+            + b" HTTP/1.1\r\nHost: x\r\n\r\nGET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         stream = b""
         while chunk := sock.recv(65536):  # until the server closes, as the second request asked
             stream += chunk
@@ -207,11 +211,12 @@ def test_pipelined_requests_on_one_connection_get_their_answers_in_order(kind):
     [
         (b"THIS IS NOT HTTP\r\n\r\n", 400),
         (b"GET / HTTP/9.9\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\n folded: header\r\n\r\n", 400),
-        (b"GET / HTTP/1.1\r\n" + b"X-Flood: y\r\n" * 200 + b"\r\n", 431),
+        (b"GET / HTTP/1.1\r\n folded: header\r\nHost: x\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\n\r\n", 400),  # HTTP/1.1 without Host: RFC 9112 says 400
+        (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Flood: y\r\n" * 200 + b"\r\n", 431),
         (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n", 414),
     ],
-    ids=["not-http", "bad-version", "folded", "too-many-headers", "long-request-line"],
+    ids=["not-http", "bad-version", "folded", "no-host", "too-many-headers", "long-request-line"],
 )
 @pytest.mark.parametrize("kind", KINDS)
 def test_broken_requests_get_a_status_line_and_the_server_goes_on(kind, raw, status):
@@ -237,10 +242,10 @@ def test_requests_beyond_the_workers_and_their_queue_are_answered_503_at_once():
     socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
     try:
         assert server.threads == 2
-        socks[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
+        socks[0].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert entered.wait(10)  # the one worker is busy
         for sock in socks[1:]:
-            sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         # One of the two waits in the queue; the other is refused without waiting for the worker.
         readable = wait_for(lambda: select.select(socks[1:], [], [], 0.1)[0], 10, "an answer while the worker is busy")
         assert len(readable) == 1 and readable[0].recv(100).startswith(b"HTTP/1.1 503 ")
@@ -253,3 +258,81 @@ def test_requests_beyond_the_workers_and_their_queue_are_answered_503_at_once():
         for sock in socks:
             sock.close()
         server.close()
+
+
+# --- issue 24: the defects found by hand and by fuzzing, each failing on the hand-written parser ---
+
+
+def _exchange(port: int, raw: bytes, wait: float = 5.0) -> bytes:
+    """Send `raw`, return what the server answers before it closes (or before `wait` seconds pass)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(raw)
+        stream = b""
+        try:
+            while chunk := sock.recv(65536):
+                stream += chunk
+        except TimeoutError:
+            pass
+        return stream
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_ascii_digit_in_content_length_is_answered_400(kind):
+    # `Content-Length: ²` passed str.isdigit() and raised in the I/O thread: the connection dropped unanswered.
+    path = b"/v1/actions" if kind == "control" else b"/metrics"
+    raw = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + "²".encode() + b"\r\n\r\n"
+    with running(kind, timeout=30) as server:
+        assert _exchange(server.port, raw).startswith(b"HTTP/1.1 400 ")
+        assert get(server.port, PATHS[kind]) == 200
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_http_0_9_request_line_is_answered_400_at_once(kind):
+    # `GET /` (no version, no head to follow) waited for a head that never comes: no answer at all.
+    with running(kind, timeout=30) as server:
+        answer = _exchange(server.port, b"GET /\r\n", wait=3.0)  # far below the server's 30 s deadline
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:80]
+
+
+def test_the_control_apps_reason_phrases_reach_the_wire():
+    # The server wrote Python's phrase ("Request Entity Too Large"), not the app's ("Content Too Large").
+    with running("control") as server:
+        body = b"x" * 2_000_000
+        head = (
+            b"POST /v1/actions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head)
+            assert sock.recv(100).startswith(b"HTTP/1.1 413 Content Too Large\r\n")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_endpoints_are_wsgi_apps_given_a_pep_3333_environ(kind):
+    # The metrics server and the control server were near-copies, the control app got a hand-built environ
+    # (its input had no readlines nor iteration): now both are WSGI apps on one loop, checked by wsgiref's validator.
+    from wsgiref.validate import validator
+
+    from rankscope.serving.exposition import CachedPage, PageRenderer
+    from rankscope.serving.metrics_endpoint import _text, metrics_app
+    from rankscope.serving.wsgi import serve_app
+
+    if kind == "metrics":
+        registry = CollectorRegistry()
+        Counter("rankscope_test_events", "events", registry=registry).inc()
+        app, error_page = metrics_app(CachedPage(PageRenderer(registry).render, 0)), _text
+    else:
+        from rankscope.control.endpoint import _json_error
+
+        app, error_page = create_app(AppDeps(ActionQueue(), RunSnapshot(), "t0ken")), _json_error
+    served = serve_app(validator(app), "127.0.0.1", [0], name="t", error_page=error_page)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+        for _ in range(2):  # twice on one kept-alive connection
+            conn.request("GET", PATHS[kind])
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 200
+        conn.close()
+    finally:
+        served.close()

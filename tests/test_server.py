@@ -166,3 +166,21 @@ def test_a_page_larger_than_the_socket_buffer_arrives_whole():
     finally:
         server.close()
     assert len(rendered) > 8_000_000 and again == rendered
+
+
+def test_a_scrape_right_after_finish_shows_the_run_finished_despite_the_cache():
+    # Issue 23: a page cached for its period could read run_finished 0 after finish() (a finished rank looked crashed).
+    config = MonitorConfig(host="127.0.0.1", base_port=0, probes=(), page_cache_seconds=3600)
+    monitor = Monitor(config, identity(), device="cpu")
+    server = monitor.start()
+
+    def finished() -> str:
+        page = urllib.request.urlopen(server.url, timeout=5).read().decode()
+        return next(line for line in page.splitlines() if line.startswith("rankscope_run_finished"))
+
+    try:
+        assert finished().endswith(" 0.0")
+        monitor.finish()
+        assert finished().endswith(" 1.0")
+    finally:
+        monitor.close()

@@ -18,6 +18,7 @@ metric internals (`_metrics`, `_value`, `_buckets`, `_sum`, `_upper_bounds`), as
 from __future__ import annotations
 
 import gzip
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover - older clients only allow legacy names 
         return s
 
 
-__all__ = ["CONTENT_TYPE", "CachedPage", "PageRenderer"]
+__all__ = ["CONTENT_TYPE", "CachedPage", "PageRenderer", "state_changed", "state_version"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -161,6 +162,8 @@ class _Family:
         self.children: list[Any] = []  # the child objects the renderers below were made for, in order
         self.renderers: list[Any] = []
         self.scalars: list[tuple[str, Any]] | None = None  # (head, value) when every child is a _Scalar
+        # Gauge.set_function() replaces a child's sampling after its renderer was made: watched per render.
+        self.gauge = isinstance(metric, Gauge)
         if not self.parent:
             self._follow([((), metric)])
 
@@ -170,20 +173,27 @@ class _Family:
             metric = self.metric
             with metric._lock:
                 children = list(metric._metrics.values())
-            if children != self.children:  # identity comparison: a child added, removed, or made again
+            if children != self.children or self._turned():  # identity: a child added, removed, or made again
                 with metric._lock:
                     self._follow(list(metric._metrics.items()))
+        elif self._turned():
+            self._follow([((), self.metric)])
         if self.scalars is not None:
             out.extend([f"{head}{_number(value.get())}\n" for head, value in self.scalars])
         else:
             for renderer in self.renderers:
                 renderer.render(out)
 
+    def _turned(self) -> bool:
+        """Whether a child rendered as a plain number has since been given a function (set_function)."""
+        return self.gauge and any("_child_samples" in vars(r.child) for r in self.renderers if type(r) is _Scalar)
+
     def _follow(self, children: list[tuple[tuple[str, ...], Any]]) -> None:
         metric, known, current = self.metric, self.known, {}
         for values, child in children:
             renderer = known.get(values)
-            if renderer is None or renderer.child is not child:
+            stale = type(renderer) is _Scalar and "_child_samples" in vars(child)
+            if renderer is None or renderer.child is not child or stale:
                 renderer = _child_renderer(child, metric._name, list(zip(metric._labelnames, values, strict=True)))
             current[values] = renderer
         self.known = current  # children removed from the metric are forgotten here
@@ -256,31 +266,60 @@ class PageRenderer:
         return "".join(out).encode("utf-8")
 
 
+_state_version = itertools.count(1)
+_current_state = 0
+
+
+def state_changed() -> None:
+    """Something a scrape must not miss happened in this process (the run finished, an action settled,
+    the run paused or resumed): the next request renders the page again, whatever its cache period."""
+    global _current_state
+    _current_state = next(_state_version)
+
+
+def state_version() -> int:
+    return _current_state
+
+
 class CachedPage:
     """A rendered page kept for `seconds` (0: rendered on every request); thread-safe.
 
     Scrapes within one period share one render, so the scrape-time probes run at most once per
     period however often the page is fetched. Concurrent requests for a stale page wait for the
-    one render instead of rendering it again. A render that raises is not cached.
+    one render instead of rendering it again. A render that raises is not cached. A page is never
+    served older than the last `state_changed()` (`version`): after the run finishes, or an action
+    settles, the next scrape shows it, so a rank's last page is never one from before its end.
     """
 
     def __init__(
-        self, render: Callable[[], bytes], seconds: float, clock: Callable[[], float] = time.monotonic
+        self,
+        render: Callable[[], bytes],
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        version: Callable[[], int] = state_version,
     ) -> None:
         if not seconds >= 0:
             raise ValueError(f"page cache seconds must be >= 0, got {seconds!r}")
-        self._render, self._seconds, self._clock = render, seconds, clock
+        self._render, self._seconds, self._clock, self._version = render, seconds, clock, version
         self._page: bytes | None = None
         self._compressed: bytes | None = None
         self._rendered_at = 0.0
+        self._rendered_version = -1
         self._lock = threading.Lock()
+
+    def _fresh(self, now: float) -> bool:
+        return (
+            self._page is not None
+            and now - self._rendered_at < self._seconds
+            and self._rendered_version == self._version()
+        )
 
     def peek(self, compressed: bool = False) -> bytes | None:
         """The page if it is fresh (and, if asked, already compressed), without waiting or rendering; else None."""
         if not self._lock.acquire(blocking=False):
             return None  # a render is under way
         try:
-            if self._page is None or self._clock() - self._rendered_at >= self._seconds:
+            if not self._fresh(self._clock()):
                 return None
             return self._compressed if compressed else self._page
         finally:
@@ -290,9 +329,10 @@ class CachedPage:
         """The page, fresh within the cache period; gzip-compressed when asked (compressed once per render)."""
         with self._lock:
             now = self._clock()
-            if self._page is None or now - self._rendered_at >= self._seconds:
+            if not self._fresh(now):
+                version = self._version()  # read first: a change during the render renders again next time
                 self._page, self._compressed = self._render(), None
-                self._rendered_at = now
+                self._rendered_at, self._rendered_version = now, version
             if not compressed:
                 return self._page
             if self._compressed is None:

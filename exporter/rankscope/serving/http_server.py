@@ -1,7 +1,7 @@
-"""A small HTTP/1.1 server for a rank's endpoints that stays cheap under abuse.
+"""A small HTTP/1.1 server for a rank's endpoints that stays cheap under abuse; h11 parses and frames.
 
     sock = listen("0.0.0.0", 9400)                                  # close-on-exec, closed in forked children
-    server = HttpServer(sock, handler, error_page, name="rankscope-metrics")
+    server = HttpServer(sock, handler, error_page, name="rankscope-metrics", tls=web.tls)
     ...
     server.close()
 
@@ -10,19 +10,28 @@ worker threads runs the handler. An idle or slow client costs a file descriptor,
 so the process's thread count is fixed however many connections are open. A server may also have
 a `fast` handler, which the I/O thread asks first: what it answers (a cached page, a refusal) is
 sent from the I/O thread without waking a worker, which halves what a scrape costs the process.
-Bounds:
 
-- **Time.** A request's head must arrive complete within `timeout` seconds of its connection being
-  accepted (or of the previous response, on a kept-alive connection); a kept-alive connection that
-  stays idle that long is closed, a half-sent head is answered 408. A body gets `timeout` seconds
-  from the moment a worker takes the request (`Body.timed_out` tells the handler it ran out).
+Every byte of a request is parsed by h11 (one `h11.Connection` per connection); this module only
+adds the bounds below, and answers what h11 refuses with the status h11 suggests.
+
+- **Time.** The TLS handshake (if any) and the request's head must arrive complete within `timeout`
+  seconds of the connection being accepted (or of the previous response, on a kept-alive
+  connection); a kept-alive connection that stays idle that long is closed, a half-sent head is
+  answered 408, a half-done handshake is cut. A body gets `timeout` seconds from the moment a
+  worker takes the request (`Body.timed_out` tells the handler it ran out).
 - **Work.** Complete requests wait for a worker in a queue of `queue_size`; when it is full the
   request is answered 503 at once, never queued without limit.
 - **Connections.** At most `max_connections` are open. A new one past the limit closes the oldest
-  connection that is waiting for its request, so a flood of idle connections can neither lock a
-  scraper out nor use up the training process's file descriptors.
+  connection that is waiting for its request (or its handshake), so a flood of idle connections can
+  neither lock a scraper out nor use up the training process's file descriptors.
 - **Size.** A request line over 8 KiB is refused (414), a head over 64 KiB or more than 100 header
-  lines too (431).
+  lines too (431). A request line that is not `METHOD target HTTP/1.x` (HTTP/0.9's `GET /`, say) is
+  answered 400 as soon as its line ends, not when a head that will never come times out.
+
+TLS: the handshake runs in the I/O thread, non-blocking, under the head's deadline, so a client that
+opens a handshake and stalls costs what an idle connection costs (no worker waits on it). A client
+that speaks plain HTTP to a TLS port is answered a plain-text 400, as Go's servers do. The context
+comes from `tls.context()` per connection, so certificates replaced on disk serve the next connection.
 
 Sockets are not inherited: Python opens them close-on-exec (so an exec'd child never holds them),
 and right after a fork the child closes its copies of every live server's sockets
@@ -43,11 +52,15 @@ import queue
 import re
 import selectors
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any, Protocol
+
+import h11
 
 __all__ = ["Body", "Handler", "HttpServer", "Request", "Response", "listen"]
 
@@ -56,14 +69,17 @@ logger = logging.getLogger("rankscope")
 MAX_HEAD_BYTES = 65536
 MAX_REQUEST_LINE = 8192
 MAX_HEADERS = 100
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VERSIONS = ("HTTP/1.0", "HTTP/1.1")
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [^\x00-\x20\x7f]+ HTTP/(?P<version>[0-9]\.[0-9])\r?")
 _LISTENER, _WAKER = object(), object()
-_WAITING, _BUSY, _LINGERING = "waiting", "busy", "lingering"
+_HANDSHAKE, _WAITING, _BUSY, _LINGERING = "handshake", "waiting", "busy", "lingering"
 #: After a refusal or a `Connection: close` answer, what the client still sends is read and dropped
 #: for this long (so its unread bytes do not turn our answer into a connection reset).
 _LINGER_SECONDS = 2.0
+_TLS_RECORD = 0x16  # the first byte of a TLS handshake record
+
+
+class TlsSource(Protocol):
+    def context(self) -> ssl.SSLContext: ...
 
 
 @dataclass
@@ -75,6 +91,9 @@ class Request:
     version: str
     headers: dict[str, str]
     client: tuple[str, int]
+    tls: bool = False
+    peer_cert: dict[str, Any] | None = None
+    """The client's verified certificate (ssl.getpeercert()), when it sent one."""
 
     @property
     def path(self) -> str:
@@ -85,9 +104,8 @@ class Request:
         return self.target.split("?", 1)[1] if "?" in self.target else ""
 
     @property
-    def keep_alive(self) -> bool:
-        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
-        return self.version == "HTTP/1.1" and "close" not in tokens
+    def has_body(self) -> bool:
+        return "transfer-encoding" in self.headers or self.headers.get("content-length", "0") != "0"
 
 
 @dataclass
@@ -99,6 +117,8 @@ class Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
     close: bool = False
     """Close the connection after this response."""
+    reason: str = ""
+    """The reason phrase; "" takes the standard one for the status."""
 
 
 Handler = Callable[[Request, "Body"], Response]
@@ -106,50 +126,50 @@ ErrorPage = Callable[[int, str], Response]
 
 
 class _Conn:
-    __slots__ = ("sock", "client", "buffer", "scanned", "deadline", "state", "registered", "nodelay")
+    __slots__ = ("sock", "client", "h11", "line", "line_ok", "deadline", "state", "registered", "nodelay", "tls")
 
-    def __init__(self, sock: socket.socket, client: tuple[str, int]) -> None:
-        self.sock, self.client = sock, client
-        self.buffer = bytearray()
-        self.scanned = 0  # bytes of `buffer` known to hold no end of head (a dribbling client costs O(n))
+    def __init__(self, sock: socket.socket, client: tuple[str, int], tls: bool) -> None:
+        self.sock, self.client, self.tls = sock, client, tls
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.line = bytearray()  # the current request's bytes until its first line ends (checked early)
+        self.line_ok = False
         self.deadline = 0.0
-        self.state = _WAITING
+        self.state = _HANDSHAKE if tls else _WAITING
         self.registered = False
         self.nodelay = False
 
+    def feed(self, data: bytes) -> None:
+        if not self.line_ok and len(self.line) <= MAX_REQUEST_LINE + 2:
+            self.line += data[: MAX_REQUEST_LINE + 3 - len(self.line)]
+        self.h11.receive_data(data)
+
 
 class Body:
-    """A request's body as the handler reads it, from its worker thread: never more than the
-    declared Content-Length, and only until the deadline. A file-like `read(size)` (WSGI's input)."""
+    """A request's body as the handler reads it, from its worker thread: what h11 frames (Content-Length
+    or chunked), and only until the deadline. A file-like `read(size)` (WSGI's input)."""
 
-    def __init__(self, conn: _Conn, length: int, deadline: float, expect_continue: bool = False) -> None:
+    def __init__(self, conn: _Conn, length: int | None, deadline: float) -> None:
         self._conn = conn
         self.length = length
+        """The declared Content-Length (None for a chunked body)."""
         self.received = 0
         self.timed_out = False
         self._deadline = deadline
-        self._expect_continue = expect_continue
+        self._pending = bytearray()
+        self._done = conn.h11.their_state is not h11.SEND_BODY
 
     @property
     def complete(self) -> bool:
-        return self.received == self.length
+        return self._done and not self._pending
 
     def read(self, size: int | None = -1) -> bytes:
-        want = self.length - self.received if size is None or size < 0 else min(size, self.length - self.received)
-        chunks = []
-        buffer = self._conn.buffer
-        while want > 0:
-            if buffer:
-                chunk = bytes(buffer[:want])
-                del buffer[:want]
-            else:
-                chunk = self._recv(want)
-                if not chunk:
-                    break
-            chunks.append(chunk)
-            want -= len(chunk)
-            self.received += len(chunk)
-        return b"".join(chunks)
+        want = -1 if size is None or size < 0 else size
+        while (want < 0 or len(self._pending) < want) and not self._done:
+            self._next()
+        cut = len(self._pending) if want < 0 else min(want, len(self._pending))
+        chunk = bytes(self._pending[:cut])
+        del self._pending[:cut]
+        return chunk
 
     def readline(self, size: int | None = -1) -> bytes:
         line = bytearray()
@@ -162,22 +182,55 @@ class Body:
                 break
         return bytes(line)
 
-    def _recv(self, want: int) -> bytes:
+    def readlines(self, hint: int = -1) -> list[bytes]:
+        lines: list[bytes] = []
+        while line := self.readline():
+            lines.append(line)
+            if 0 < hint <= sum(map(len, lines)):
+                break
+        return lines
+
+    def __iter__(self) -> Iterator[bytes]:
+        while line := self.readline():
+            yield line
+
+    def _next(self) -> None:
+        connection = self._conn.h11
+        try:
+            event = connection.next_event()
+        except h11.RemoteProtocolError:
+            self._done = True  # a broken body: short, and the connection closes after the answer
+            return
+        if event is h11.NEED_DATA:
+            if connection.they_are_waiting_for_100_continue:
+                self._send(connection.send(h11.InformationalResponse(status_code=100, headers=[])))
+            connection.receive_data(self._recv())
+        elif isinstance(event, h11.Data):
+            self._pending += event.data
+            self.received += len(event.data)
+        else:  # EndOfMessage, ConnectionClosed
+            self._done = True
+
+    def _send(self, data: bytes | None) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
+            self._conn.sock.sendall(data or b"")
+
+    def _recv(self) -> bytes:
         sock = self._conn.sock
         try:
-            if self._expect_continue:  # the client waits for this before it sends the body
-                self._expect_continue = False
-                sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             left = self._deadline - time.monotonic()
             if left <= 0:
                 self.timed_out = True
+                self._done = True
                 return b""
             sock.settimeout(left)
-            return sock.recv(min(want, 65536))
+            return sock.recv(65536)
         except TimeoutError:
             self.timed_out = True
         except OSError:
             pass  # the client went away: a short body
+        self._done = True
         return b""
 
 
@@ -198,46 +251,6 @@ def listen(host: str, port: int, backlog: int = 1024) -> socket.socket:
     return sock
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def _parse_head(head: bytes, client: tuple[str, int]) -> Request:
-    text = head.decode("latin-1")
-    lines = text.split("\n")
-    parts = lines[0].rstrip("\r").split(" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not parts[1]:
-        raise _BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in _VERSIONS:
-        raise _BadRequest(400, f"unsupported HTTP version {version[:20]!r}; use HTTP/1.1")
-    if len(lines) - 1 > MAX_HEADERS:
-        raise _BadRequest(431, f"more than {MAX_HEADERS} header lines")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, colon, value = line.rstrip("\r").partition(":")
-        if not colon or not _TOKEN.fullmatch(name):
-            raise _BadRequest(400, "malformed header line")
-        key, value = name.lower(), value.strip()
-        headers[key] = f"{headers[key]}, {value}" if key in headers else value
-    return Request(method, target, version, headers, client)
-
-
-def _body_length(request: Request) -> tuple[int, bool]:
-    """(bytes of body to expect, whether the connection must close after the answer)."""
-    if "transfer-encoding" in request.headers:
-        return 0, True  # chunked request bodies are not supported: the handler sees no length
-    raw = request.headers.get("content-length")
-    if raw is None:
-        return 0, False
-    values = {v.strip() for v in raw.split(",")}
-    if len(values) != 1 or not next(iter(values)).isdigit():
-        return 0, True  # the handler sees the raw header and refuses it; the stream is unframed
-    return int(values.pop()), False
-
-
 _date_cache: tuple[int, str] = (0, "")
 
 
@@ -250,23 +263,35 @@ def _date() -> str:
     return _date_cache[1]
 
 
-def _serialize(response: Response, head_only: bool, keep_alive: bool) -> bytes:
+def _reason(response: Response) -> str:
+    if response.reason:
+        return response.reason
     try:
-        reason = HTTPStatus(response.status).phrase
+        return HTTPStatus(response.status).phrase
     except ValueError:
-        reason = "Unknown"
-    lines = [f"HTTP/1.1 {response.status} {reason}"]
-    names = set()
-    for name, value in response.headers:
-        names.add(name.lower())
-        lines.append(f"{name}: {value}")
-    if "content-length" not in names:
-        lines.append(f"Content-Length: {len(response.body)}")
-    lines.append(f"Date: {_date()}")
-    if not keep_alive:
-        lines.append("Connection: close")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + response.body
+        return "Unknown"
+
+
+def _head_fields(response: Response, close: bool) -> list[tuple[str, str]]:
+    headers = [(k, v) for k, v in response.headers if k.lower() not in ("content-length", "date", "connection")]
+    headers += [("Content-Length", str(len(response.body))), ("Date", _date())]
+    return headers + [("Connection", "close")] if close else headers
+
+
+def _encode(connection: h11.Connection, response: Response, head_only: bool, close: bool) -> bytes:
+    """The whole answer, framed by h11 (which also decides keep-alive from the request and ours)."""
+    event = h11.Response(status_code=response.status, headers=_head_fields(response, close), reason=_reason(response))
+    data = connection.send(event) or b""
+    if not head_only and response.body:
+        data += connection.send(h11.Data(data=response.body)) or b""
+    return data + (connection.send(h11.EndOfMessage()) or b"")
+
+
+def _raw(response: Response) -> bytes:
+    """A closing answer to a request h11 refused (so h11 cannot frame it): ours alone, always well-formed."""
+    lines = [f"HTTP/1.1 {response.status} {_reason(response)}"]
+    lines += [f"{name}: {value}" for name, value in _head_fields(response, close=True)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + response.body
 
 
 class HttpServer:
@@ -284,6 +309,7 @@ class HttpServer:
         queue_size: int = 8,
         max_connections: int = 64,
         timeout: float = 5.0,
+        tls: TlsSource | None = None,
     ) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -291,6 +317,7 @@ class HttpServer:
         self._handler, self._error_page, self._fast = handler, error_page, fast
         self._timeout = timeout
         self._max_connections = max_connections
+        self._tls = tls
         self.name = name
         self._pid = os.getpid()
         sock.setblocking(False)
@@ -312,6 +339,8 @@ class HttpServer:
         self._handback = threading.Lock()
         self._loop_done = False
         self._closing = False
+        self.handshake_failures = 0
+        """TLS handshakes refused or cut off (a wrong certificate, plain HTTP, a stalled client)."""
         _LIVE.add(self)
         self._io = threading.Thread(target=self._run, name=name, daemon=True)
         self._workers = [
@@ -393,9 +422,9 @@ class HttpServer:
             if len(self._conns) >= self._max_connections:
                 self._evict()
             sock.setblocking(False)
-            conn = _Conn(sock, client)
+            conn = _Conn(sock, client, self._tls is not None)
             self._conns.add(conn)
-            self._wait(conn)
+            self._wait(conn, conn.state)
 
     def _evict(self) -> bool:
         """Close the connection that matters least: a lingering one, else the longest-waiting one."""
@@ -405,30 +434,37 @@ class HttpServer:
                 return True
         return False
 
-    def _register(self, conn: _Conn) -> None:
+    def _register(self, conn: _Conn, events: int = selectors.EVENT_READ) -> None:
         if not conn.registered:
-            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            self._selector.register(conn.sock, events, conn)
             conn.registered = True
+        elif self._selector.get_key(conn.sock).events != events:
+            self._selector.modify(conn.sock, events, conn)
 
     def _unregister(self, conn: _Conn) -> None:
         if conn.registered:
             self._selector.unregister(conn.sock)
             conn.registered = False
 
-    def _wait(self, conn: _Conn) -> None:
-        conn.state, conn.deadline = _WAITING, time.monotonic() + self._timeout
+    def _wait(self, conn: _Conn, state: str = _WAITING) -> None:
+        """The connection waits for its handshake or its next request, under a new deadline."""
+        if state is _WAITING and conn.h11.our_state is h11.DONE:
+            conn.h11.start_next_cycle()  # only when both sides are done: the caller checked
+            conn.line = bytearray(conn.h11.trailing_data[0][: MAX_REQUEST_LINE + 3])
+            conn.line_ok = False
+        conn.state, conn.deadline = state, time.monotonic() + self._timeout
+        self._waiting.pop(conn, None)
         self._waiting[conn] = None
         self._register(conn)
 
     def _linger(self, conn: _Conn) -> None:
         self._waiting.pop(conn, None)
         try:
-            conn.sock.shutdown(socket.SHUT_WR)
+            conn.sock.shutdown(socket.SHUT_WR)  # on TLS, also drops the session: what follows is discarded raw
         except OSError:
             self._drop(conn)
             return
         conn.state, conn.deadline = _LINGERING, time.monotonic() + min(self._timeout, _LINGER_SECONDS)
-        conn.buffer.clear()
         self._lingering[conn] = None
         self._register(conn)
 
@@ -441,28 +477,91 @@ class HttpServer:
         conn.sock.close()
 
     def _readable(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
+        if conn.state is _HANDSHAKE:
+            if not self._handshake(conn):
+                return
+        elif conn.state is _LINGERING:
+            self._discard_input(conn)
             return
+        while conn.state is _WAITING:
+            try:
+                data = conn.sock.recv(65536)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except OSError:  # ssl.SSLError included: a broken record
+                self._drop(conn)
+                return
+            if not data:
+                self._drop(conn)
+                return
+            conn.feed(data)
+            if not (conn.tls and conn.sock.pending()):  # TLS may hold decrypted bytes select() cannot see
+                break
+        self._dispatch(conn)
+
+    def _discard_input(self, conn: _Conn) -> None:
+        try:
+            if not conn.sock.recv(65536):
+                self._drop(conn)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            pass
         except OSError:
             self._drop(conn)
-            return
-        if not data:
+
+    def _handshake(self, conn: _Conn) -> bool:
+        """Advance a TLS handshake without blocking; whether the connection is ready for its request."""
+        assert self._tls is not None
+        if not isinstance(conn.sock, ssl.SSLSocket):
+            try:
+                first = conn.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                self._drop(conn)
+                return False
+            if not first:
+                self._drop(conn)
+                return False
+            if first[0] != _TLS_RECORD:  # plain HTTP (or anything else) on the TLS port
+                self.handshake_failures += 1
+                self._refuse(conn, 400, "this port speaks TLS: use https://")
+                return False
+            self._unregister(conn)
+            try:
+                conn.sock = self._tls.context().wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError) as exc:
+                logger.warning("rankscope: %s: no TLS context: %s", self.name, exc)
+                conn.sock.close()
+                self._drop(conn)
+                return False
+            self._register(conn)
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._register(conn, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._register(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
+            return False
+        except (ssl.SSLError, OSError) as exc:  # no certificate, another CA's, a protocol we refuse
+            self.handshake_failures += 1
+            logger.debug("rankscope: %s: TLS handshake with %s failed: %s", self.name, conn.client, exc)
             self._drop(conn)
-        elif conn.state is _WAITING:
-            conn.buffer += data
-            self._dispatch(conn)
-        # _LINGERING: what the client still sends is dropped
+            return False
+        self._register(conn, selectors.EVENT_READ)
+        conn.state = _WAITING  # the deadline set at accept still holds: handshake and head share it
+        return True
 
     def _dispatch(self, conn: _Conn) -> None:
-        """Handle every complete request in the buffer (a client may pipeline several): inline when
-        `fast` answers it, else through a worker (then the rest waits until the worker is done)."""
-        while conn.state is _WAITING and conn.buffer:
+        """Handle every complete request h11 has (a client may pipeline several): inline when `fast`
+        answers it, else through a worker (then the rest waits until the worker is done)."""
+        while conn.state is _WAITING:
             request = self._next_request(conn)
             if request is None:
                 return
-            response = self._fast(request) if self._fast is not None and _body_length(request) == (0, False) else None
+            response = None
+            if self._fast is not None and conn.h11.their_state is h11.DONE:
+                response = self._fast(request)
             if response is not None:
                 self._answer_inline(conn, request, response)
                 continue
@@ -474,40 +573,70 @@ class HttpServer:
             except queue.Full:
                 self._refuse(conn, 503, "too many requests at once; retry")
 
-    def _next_request(self, conn: _Conn) -> Request | None:
-        """The next complete request head, parsed; None while incomplete or when refused."""
-        buffer = conn.buffer
-        if buffer[:1] in (b"\r", b"\n"):  # empty lines before a request line are allowed
-            del buffer[: len(buffer) - len(buffer.lstrip(b"\r\n"))]
-            conn.scanned = 0
-        end = _HEAD_END.search(buffer, max(0, conn.scanned - 3))
-        line_end = buffer.find(b"\n", 0, MAX_REQUEST_LINE + 2)
-        if line_end < 0 and len(buffer) > MAX_REQUEST_LINE + 1:  # + 1: the line's CR
+    def _check_line(self, conn: _Conn) -> bool:
+        """Whether the request line is complete and well-formed; refuses (and returns False) when it
+        is not: a line that is not `METHOD target HTTP/1.x` is answered once it ends, not at the deadline."""
+        if conn.line_ok:
+            return True
+        end = conn.line.find(b"\n")
+        if (end < 0 and len(conn.line) > MAX_REQUEST_LINE + 1) or end > MAX_REQUEST_LINE + 1:
             self._refuse(conn, 414, f"request line longer than {MAX_REQUEST_LINE} bytes")
+            return False
+        if end < 0:
+            return False
+        match = _REQUEST_LINE.fullmatch(conn.line, 0, end)
+        if match is None:
+            self._refuse(conn, 400, "malformed request line; send 'METHOD /path HTTP/1.1' (HTTP/0.9 is not spoken)")
+            return False
+        if match["version"] not in (b"1.0", b"1.1"):
+            self._refuse(conn, 400, f"unsupported HTTP version {match['version'].decode()}; use HTTP/1.1")
+            return False
+        conn.line_ok, conn.line = True, bytearray()
+        return True
+
+    def _next_request(self, conn: _Conn) -> Request | None:
+        """The next complete request head, parsed (and its body, when it has none, read); None while
+        incomplete or when refused."""
+        if not self._check_line(conn):
             return None
-        if (end.start() if end else len(buffer)) > MAX_HEAD_BYTES:
-            self._refuse(conn, 431, f"request head larger than {MAX_HEAD_BYTES} bytes")
-            return None
-        if end is None:
-            conn.scanned = len(buffer)
-            return None
-        head = bytes(buffer[: end.start()])
-        del buffer[: end.end()]
-        conn.scanned = 0
         try:
-            return _parse_head(head, conn.client)
-        except _BadRequest as bad:
-            self._refuse(conn, bad.status, bad.message)
+            event = conn.h11.next_event()
+            if isinstance(event, h11.Request) and not _declares_body(event):
+                conn.h11.next_event()  # its EndOfMessage: the request is complete
+        except h11.RemoteProtocolError as exc:
+            self._refuse(conn, exc.error_status_hint, f"bad request: {exc}")
             return None
+        if event is h11.NEED_DATA or event is h11.PAUSED:
+            return None
+        if not isinstance(event, h11.Request):  # ConnectionClosed: the client half-closed
+            self._linger(conn)
+            return None
+        if len(event.headers) > MAX_HEADERS:
+            self._refuse(conn, 431, f"more than {MAX_HEADERS} header lines")
+            return None
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            key, text = name.decode("latin-1"), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        peer = conn.sock.getpeercert() if conn.tls else None
+        return Request(
+            event.method.decode("latin-1"),
+            event.target.decode("latin-1"),
+            "HTTP/" + event.http_version.decode("latin-1"),
+            headers,
+            conn.client,
+            conn.tls,
+            peer or None,
+        )
 
     def _answer_inline(self, conn: _Conn, request: Request, response: Response) -> None:
         """Send from the I/O thread without blocking; what the socket does not take at once, a worker sends."""
-        keep = request.keep_alive and not response.close and not self._closing
-        data = _serialize(response, request.method == "HEAD", keep)
+        data = _encode(conn.h11, response, request.method == "HEAD", response.close or self._closing)
+        keep = conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
         try:
             sent = conn.sock.send(data)
-        except BlockingIOError:
-            sent = 0
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            sent = 0  # TLS: the worker retries with the same bytes, as OpenSSL wants
         except OSError:
             self._drop(conn)
             return
@@ -528,8 +657,8 @@ class HttpServer:
         """Answer from the I/O thread (best effort, never blocking), then close gracefully."""
         response = self._error_page(status, message)
         try:
-            conn.sock.send(_serialize(response, head_only=False, keep_alive=False))
-        except OSError:
+            conn.sock.send(_raw(response))
+        except (OSError, ssl.SSLError):
             self._drop(conn)
             return
         self._linger(conn)
@@ -540,7 +669,10 @@ class HttpServer:
             conn = next(iter(self._waiting))
             if conn.deadline > now:
                 break
-            if conn.buffer:  # part of a request came, the rest did not
+            if conn.state is _HANDSHAKE:
+                self.handshake_failures += 1
+                self._drop(conn)  # a handshake that did not finish in time: nothing can be said
+            elif conn.line or conn.h11.trailing_data[0]:  # part of a request came, the rest did not
                 self._refuse(conn, 408, f"request not complete within {self._timeout:g} s")
             else:
                 self._drop(conn)  # idle: nothing to answer
@@ -567,7 +699,10 @@ class HttpServer:
             conn, keep = self._returned.popleft()
             if keep:
                 self._wait(conn)
-                self._dispatch(conn)  # a pipelined request may be here already
+                if conn.tls and conn.sock.pending():
+                    self._readable(conn)  # decrypted bytes a worker left in the TLS buffer
+                else:
+                    self._dispatch(conn)  # a pipelined request may be here already
             else:
                 self._linger(conn)
 
@@ -612,22 +747,25 @@ class HttpServer:
 
     def _serve(self, conn: _Conn, request: Request) -> bool:
         """Runs the handler and sends its answer; whether the connection stays open."""
-        length, unframed = _body_length(request)
-        expect = request.headers.get("expect", "").lower() == "100-continue" and length > 0
-        body = Body(conn, length, time.monotonic() + self._timeout, expect)
+        raw = request.headers.get("content-length")
+        body = Body(conn, int(raw) if raw is not None else None, time.monotonic() + self._timeout)
         try:
             response = self._handler(request, body)
         except Exception:
             logger.exception("rankscope: %s: handler failed on %s %s", self.name, request.method, request.path)
             response = self._error_page(500, "internal error; see the process's log")
-        keep = request.keep_alive and not (unframed or response.close or self._closing) and body.complete
+        close = response.close or self._closing or not body.complete
         if not conn.nodelay and conn.sock.family in (socket.AF_INET, socket.AF_INET6):
             # An answer is one write: send it now. Set here, not on accept: most of a flood never gets this far.
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.nodelay = True
         conn.sock.settimeout(self._timeout)  # a client that does not read its answer is given up on
-        conn.sock.sendall(_serialize(response, request.method == "HEAD", keep))
-        return keep
+        if conn.h11.our_state is h11.SEND_RESPONSE:
+            data = _encode(conn.h11, response, request.method == "HEAD", close)
+        else:  # h11 refused the body mid-way (their side is in ERROR): a closing answer of our own
+            data, close = _raw(response), True
+        conn.sock.sendall(data)
+        return not close and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE
 
     def _hand_back(self, conn: _Conn, keep: bool) -> None:
         try:
@@ -640,6 +778,13 @@ class HttpServer:
                 self._wake()
                 return
         conn.sock.close()  # the I/O thread is gone: nobody else will
+
+
+def _declares_body(event: h11.Request) -> bool:
+    for name, value in event.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
 
 
 # Every live server in this process, so that a forked child can close its copies of their sockets.
@@ -657,7 +802,7 @@ def _close_in_child() -> None:
         sockets += [conn.sock for conn, _ in list(server._returned)]
         for sock in sockets:
             with contextlib.suppress(OSError):
-                sock.close()
+                socket.socket.close(sock)  # never an SSL close_notify: the parent owns the session
         with contextlib.suppress(Exception):  # best effort: the child must go on whatever happens here
             server._selector.close()
     _LIVE.clear()
