@@ -76,6 +76,7 @@ from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
 from rankscope.control.stops import StopSignals, first_reason
 from rankscope.identity import RankIdentity
 from rankscope.instruments import Instruments
+from rankscope.serving.exposition import state_changed
 
 __all__ = ["ControlChannel", "ControlHandler", "ControlStartError"]
 
@@ -674,6 +675,7 @@ class ControlChannel:
         awaited = self._checks.pop(order_id, None)
         carried_at = awaited.step if awaited is not None else step
         action = record.action if record is not None else (awaited.action if awaited is not None else "?")
+        state_changed()  # every rank: what the action changed is on the next page, not one from before it
         if worst >= _REFUSED:  # the effect did not happen: put back what was changed
             if awaited is not None and awaited.undo is not None:
                 awaited.undo()
@@ -706,6 +708,7 @@ class ControlChannel:
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused
         self._instruments.child(PREFIX + "paused").set(1 if paused else 0)
+        state_changed()  # a scrape right after shows it (the metrics page's cache holds no older page)
         if self.rank == 0:
             self.snapshot.update(paused=paused, paused_since=time.time() if paused else None)
 
@@ -721,6 +724,7 @@ class ControlChannel:
         # Rank 0 only: the channel's decisions happen there, so a sum over ranks counts each once.
         check_result(result)  # the `result` label's values are the catalog's, and no others
         self._instruments.child(PREFIX + "control_actions_total", action=action, source=source, result=result).inc()
+        state_changed()
 
 
 class _Awaited:
