@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
+from rankscope import contract
 from rankscope._log import LogOnce
 from rankscope.comm import CommTimer, events_seconds
 from rankscope.config import MonitorConfig
 from rankscope.contract import PREFIX, MetricSpec
-from rankscope.deferred import DeferredValues
+from rankscope.deferred import DeferredValues, plain_tensor
 from rankscope.flops import FlopCounter, device_peak_flops
 from rankscope.goodput import PHASE_BUCKETS, GoodputCollector, GoodputFlusher, GoodputLedger, process_start_time
 from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
@@ -203,7 +204,7 @@ class Monitor:
             self.config.module_stats_every_n_steps,
             self.config.max_module_groups,
             self._module_sink,
-            on_error=lambda exc: self._fail("module_stats", exc),
+            on_error=self._module_stats_failed,
         )
 
     def attach_comm_hook(self, ddp_model: Any) -> None:
@@ -212,7 +213,17 @@ class Monitor:
         Registers a comm hook that runs DDP's default all-reduce unchanged. Call
         before the first backward (DDP allows one comm hook per model).
         """
-        ddp_model.register_comm_hook(None, self._comm.hook)
+        register = getattr(ddp_model, "register_comm_hook", None)
+        if register is None:  # FSDP2, tensor parallel, a plain module: no DDP reducer to hook; training goes on
+            self._fail(
+                "comm_hook",
+                TypeError(
+                    f"attach_comm_hook: {type(ddp_model).__name__} is not DistributedDataParallel (no comm hook"
+                    " to register); nothing attached"
+                ),
+            )
+            return
+        register(None, self._comm.hook)
         self._comm.attached = True
 
     # --- the loop ----------------------------------------------------------------
@@ -293,9 +304,11 @@ class Monitor:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._modules is not None and norm_type == 2.0 and not error_if_nonfinite:
             try:
+                # Returns torch's total once it has clipped, even if its statistics then fail: a gradient
+                # is clipped once. An exception from here means nothing was clipped yet.
                 total = self._modules.clip_grad_norm_(params, max_norm, foreach)
             except Exception as exc:  # monitoring must never break the step: clip the plain way
-                self._fail("module_stats", exc)
+                self._module_stats_failed(exc)
                 total = None
             if total is not None:
                 return total
@@ -303,7 +316,7 @@ class Monitor:
             try:
                 self._modules.record_grad_norms()  # before clipping; nothing if not due
             except Exception as exc:
-                self._fail("module_stats", exc)
+                self._module_stats_failed(exc)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def set_step(self, step: int) -> None:
@@ -319,11 +332,12 @@ class Monitor:
         """Time spent in a phase that is not training: `checkpoint` (a blocking save), `validation`,
         `paused`. The goodput accounts it in its own bucket (docs/goodput.md). Around a checkpoint save,
         the step saved is marked too, so that a later resume or rollback to it loses only what came after."""
-        ledger = self.goodput
+        known = getattr(contract, "PHASES", PHASE_BUCKETS)
+        if name not in known and name not in PHASE_BUCKETS:
+            raise ValueError(f"unknown phase {name!r}; known: {', '.join(known)}")
+        ledger = self.goodput if name in PHASE_BUCKETS else None  # other phases are training time
         if ledger is not None:
             ledger.enter(name)
-        elif name not in PHASE_BUCKETS:
-            raise ValueError(f"unknown goodput phase {name!r}; known: {', '.join(PHASE_BUCKETS)}")
         saved = False
         try:
             yield
@@ -394,22 +408,27 @@ class Monitor:
     # --- internals -----------------------------------------------------------------
 
     def _record_step_values(self, context: StepContext, loss: Value | None, grad_norm: Value | None) -> bool:
-        try:
-            if self._modules is not None:
+        loss, grad_norm = self._readable(loss), self._readable(grad_norm)
+        if self._modules is not None:
+            try:
                 self._modules.record_grad_norms()
+            except Exception as exc:  # monitoring must never break the step
+                self._module_stats_failed(exc)
+        flag: torch.Tensor | bool = False
+        try:
             if loss is not None:
                 self._deferred.add(loss, self._on_loss)
             if grad_norm is not None:
                 self.set("grad_norm", grad_norm)
+            if self._scaler is not None:
+                # Dynamic loss scaling: an overflowing gradient with a finite loss is the scaler's business
+                # (it skips the update and backs off); only a non-finite loss is a non-finite step.
+                flag = nonfinite_flag(loss)
+                self._deferred.add(overflow_flag(loss, grad_norm), self._on_overflow)
+            else:
+                flag = nonfinite_flag(loss, grad_norm)
         except Exception as exc:  # monitoring must never break the step
             self._fail("record", exc)
-        if self._scaler is not None:
-            # Dynamic loss scaling: an overflowing gradient with a finite loss is the scaler's business
-            # (it skips the update and backs off); only a non-finite loss is a non-finite step.
-            flag = nonfinite_flag(loss)
-            self._deferred.add(overflow_flag(loss, grad_norm), self._on_overflow)
-        else:
-            flag = nonfinite_flag(loss, grad_norm)
         if not self.config.skip_nonfinite:
             self._deferred.add(flag, self._on_nonfinite)
             return True
@@ -538,6 +557,23 @@ class Monitor:
     def _on_overflow(self, values: list[float]) -> None:
         if values and values[-1]:
             self._metric["loss_scale_overflows_total"].inc()
+
+    def _readable(self, value: Value | None) -> Value | None:
+        """A recorded value as a plain tensor (a replicated DTensor's local value, no communication); one
+        the monitor cannot read without a collective is dropped, counted and logged once."""
+        if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+            return value
+        try:
+            return plain_tensor(value)
+        except Exception as exc:
+            self._fail("record", exc)
+            return None
+
+    def _module_stats_failed(self, exc: BaseException) -> None:
+        """Per-module statistics met something they cannot measure: counted, logged once, switched off."""
+        if self._modules is not None:
+            self._modules.disable()
+        self._fail("module_stats", exc)
 
     def _module_sink(self, metric: str, groups: list[str], values: torch.Tensor) -> None:
         self.set_each(metric, values, "module", groups)

@@ -39,6 +39,7 @@ Until then the action is "pending" in the status, with what it waits for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -144,6 +145,8 @@ class ControlChannel:
         identity = getattr(monitor, "identity", None) or RankIdentity.from_env()
         # A NullMonitor has no registry: record into a private one nobody scrapes.
         self._instruments = getattr(monitor, "instruments", None) or Instruments(CollectorRegistry(), identity)
+        # Time held paused is the goodput's "paused" bucket (a monitor without phases: nothing to account).
+        self._phase = getattr(monitor, "phase", None) or (lambda name: contextlib.nullcontext())
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self._distributed else identity.rank
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -227,7 +230,8 @@ class ControlChannel:
             return []
         applied = self._exchange(step, handler)
         if self._paused:
-            applied += self._hold(step, handler)
+            with self._phase("paused"):
+                applied += self._hold(step, handler)
         return applied
 
     def state_dict(self) -> dict[str, Any]:
