@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from devstack.jobs import TrainerJob
-from devstack.localstack import MonitoringStack, free_port, local_ports, seconds, shipped_interval, unix_time
-from devstack.stack import REPO
+from devstack.monitoring import REPO, MonitoringStack, seconds, shipped_interval, unix_time
+from devstack.ports import free_port, local_ports
 
 from .timing import machine_line
 

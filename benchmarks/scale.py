@@ -53,7 +53,8 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from devstack.localstack import REPO, MonitoringStack, free_port, local_ports, prometheus_config, shipped_interval
+from devstack.monitoring import REPO, MonitoringStack, prometheus_config, shipped_interval
+from devstack.ports import free_port, local_ports
 from devstack.processes import Child, Children
 from devstack.vmstack import VictoriaPorts, VictoriaStack
 

@@ -49,7 +49,7 @@ from rankscope import MonitorConfig
 from rankscope.serving.exposition import PageRenderer
 from rankscope.serving.metrics_endpoint import serve_metrics
 
-from devstack.localstack import seconds, shipped_interval
+from devstack.monitoring import seconds, shipped_interval
 
 from .timing import interleaved_blocks, machine_line, percentile, ratio_line
 from .workload import Variant, Workload, ensure_process_group, variants

@@ -1,7 +1,7 @@
 """docs/metrics.md from the metric contract, so the page cannot drift from what is served.
 
-    python -m devstack.metrics_doc            # rewrite docs/metrics.md
-    python -m devstack.metrics_doc --check    # exit 1 if it is stale (tests/test_docs.py runs this)
+python -m devstack.metrics_doc            # rewrite docs/metrics.md
+python -m devstack.metrics_doc --check    # exit 1 if it is stale (tests/test_docs.py runs this)
 """
 
 from __future__ import annotations

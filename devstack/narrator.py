@@ -17,6 +17,9 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rankscope.report.errors import ReportError
+from rankscope.report.prom import Prometheus
+
 __all__ = ["SCENARIOS", "Narrator", "Scenario"]
 
 
@@ -72,7 +75,7 @@ class Narrator:
         say: Callable[[str], None] = lambda line: print(line, flush=True),
         interval: float = 1.0,
     ) -> None:
-        self._prometheus, self._control, self._token = prometheus, control, token
+        self._prometheus, self._control, self._token = Prometheus(prometheus, timeout=3), control, token
         self._say, self._interval = say, interval
         self._firing: set[tuple[str, str]] = set()
         self._settled: set[str] = set()
@@ -92,12 +95,12 @@ class Narrator:
         while not self._stop.wait(self._interval):
             try:
                 self.poll()
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
+            except (ReportError, urllib.error.URLError, OSError, ValueError, KeyError):
                 continue
 
     def poll(self) -> None:
         """One round: print alerts that started or stopped firing and actions settled since the last round."""
-        alerts = self._get(f"{self._prometheus}/api/v1/alerts")["data"]["alerts"]
+        alerts = self._prometheus.api("/api/v1/alerts")["alerts"]
         firing = {
             (a["labels"]["alertname"], _describe(a["labels"])): a
             for a in alerts
@@ -110,7 +113,7 @@ class Narrator:
         for key in sorted(self._firing - set(firing)):
             self._say(f"demo: alert {key[0]} resolved ({key[1]})")
         self._firing = set(firing)
-        status = self._get(f"{self._control}/v1/status", auth=True)
+        status = self._status()
         for record in status["recent"]:
             if record["id"] in self._settled:
                 continue
@@ -123,17 +126,15 @@ class Narrator:
             )
         self._rounds += 1
         if firing and self._rounds % 10 == 0:  # while something fires, the loss every ten rounds
-            loss = self._query("run:rankscope_loss:smoothed")
+            loss = self._prometheus.scalar("run:rankscope_loss:smoothed")
             if loss is not None:
                 self._say(f"demo:   run loss (2m average) {loss:.4g} at step {status['step']}")
 
-    def _query(self, expr: str) -> float | None:
-        url = f"{self._prometheus}/api/v1/query?query={urllib.request.quote(expr)}"
-        result = self._get(url)["data"]["result"]
-        return float(result[0]["value"][1]) if result else None
-
-    def _get(self, url: str, auth: bool = False) -> dict:
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self._token}"} if auth else {})
+    def _status(self) -> dict:
+        """The trainer's control status (rank 0's endpoint)."""
+        request = urllib.request.Request(
+            f"{self._control}/v1/status", headers={"Authorization": f"Bearer {self._token}"}
+        )
         with urllib.request.urlopen(request, timeout=3) as response:
             return json.loads(response.read())
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -24,11 +25,25 @@ from typing import IO
 
 import psutil
 
-__all__ = ["Child", "Children", "StackError"]
+__all__ = ["Child", "Children", "StackError", "find_binaries", "find_binary"]
 
 
 class StackError(RuntimeError):
     """A component of the stack could not start or died; the message is one line for the user."""
+
+
+def find_binaries(*names: str, hint: str) -> list[str]:
+    """Paths of system binaries; StackError (one line naming every missing one, and `hint`: how to install them)."""
+    found = [shutil.which(name) for name in names]
+    missing = [name for name, path in zip(names, found, strict=True) if path is None]
+    if missing:
+        raise StackError(f"{' and '.join(missing)} not found on PATH; {hint}")
+    return [path for path in found if path is not None]
+
+
+def find_binary(name: str, hint: str) -> str:
+    """Path of a system binary; StackError (one line, `hint`: how to install it) when it is missing."""
+    return find_binaries(name, hint=hint)[0]
 
 
 @dataclass

@@ -7,7 +7,8 @@ It runs the ``prometheus`` and ``prometheus-alertmanager`` binaries of the
 system with the repository's own config files, changing only addresses: the
 compose service names (``trainer:9400``, ``alertmanager:9093``, ...) become
 127.0.0.1 and the ports chosen here, the scrape job lists one target per rank,
-and the webhook's token file is the one this launcher uses. The derived files,
+and the webhook's token file is the one this launcher uses (`devstack.monitoring`, the
+local stack of the benchmarks and the e2e tests too). The derived files,
 logs, data, checkpoints and the control token live in the run directory
 (``.stack/``). Ctrl-C (or SIGTERM) stops everything it started, after writing
 the run report (``report.html`` and ``report.png`` there; docs/report.md).
@@ -17,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
-import re
 import secrets
 import shlex
 import signal
@@ -29,98 +28,18 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import yaml
-from rankscope_trainer.config import ConfigError, load_config
+from rankscope_trainer.config import ConfigError, add_overrides_option, load_config
 
-from devstack.binaries import find_binaries, free_port_block, port_is_free, start_alertmanager, start_prometheus
+from devstack.monitoring import INSTALL_HINT, MonitoringStack
 from devstack.narrator import SCENARIOS, Narrator
-from devstack.processes import Child, Children, StackError
+from devstack.ports import Ports, free_port_block, port_is_free
+from devstack.processes import Child, Children, StackError, find_binaries
 
-__all__ = ["Ports", "derive_alertmanager_config", "derive_prometheus_config", "main"]
+__all__ = ["choose_ports", "main"]
 
 REPO = Path(__file__).resolve().parent.parent
-#: The compose stack's addresses, as written in prometheus/prometheus.yml and alertmanager/alertmanager.yml.
-COMPOSE_METRICS_PORT = 9400
-_ADDRESS = re.compile(r"\b(trainer|alertmanager|prometheus|localhost|pager):(\d+)\b")
-
-
-@dataclass(frozen=True)
-class Ports:
-    """Where each component listens on 127.0.0.1 (rank r serves metrics on ``metrics + r``)."""
-
-    prometheus: int = 9090
-    alertmanager: int = 9093
-    metrics: int = 9400
-    control: int = 9300
-    #: A local pager webhook standing in for compose's ``pager:9095``; None leaves that address alone.
-    pager: int | None = None
-
-    def local(self, host: str, port: int) -> str | None:
-        """The 127.0.0.1 address standing in for compose's `host:port`, or None if it is not ours."""
-        if host == "trainer" and port == 9300:
-            return f"127.0.0.1:{self.control}"
-        if host == "trainer" and port >= COMPOSE_METRICS_PORT:
-            return f"127.0.0.1:{self.metrics + port - COMPOSE_METRICS_PORT}"
-        if host == "alertmanager" and port == 9093:
-            return f"127.0.0.1:{self.alertmanager}"
-        if host in ("prometheus", "localhost") and port == 9090:
-            return f"127.0.0.1:{self.prometheus}"
-        if host == "pager" and self.pager is not None:
-            return f"127.0.0.1:{self.pager}"
-        return None
-
-
-def _readdress(node: Any, ports: Ports) -> Any:
-    """Replace compose addresses in every string of a parsed YAML tree (URLs included)."""
-    if isinstance(node, dict):
-        return {key: _readdress(value, ports) for key, value in node.items()}
-    if isinstance(node, list):
-        return [_readdress(value, ports) for value in node]
-    if isinstance(node, str):
-        return _ADDRESS.sub(lambda m: ports.local(m.group(1), int(m.group(2))) or m.group(0), node)
-    return node
-
-
-def derive_prometheus_config(config: dict, *, ports: Ports, nproc: int, config_dir: Path) -> dict:
-    """prometheus/prometheus.yml for this machine: local addresses, one target per rank, absolute rule paths."""
-    derived = _readdress(copy.deepcopy(config), ports)
-    derived["rule_files"] = [str((config_dir / pattern).resolve()) for pattern in config.get("rule_files", [])]
-    ranks = [f"127.0.0.1:{ports.metrics + rank}" for rank in range(nproc)]
-    found = False
-    for job in config.get("scrape_configs", []):
-        for index, static in enumerate(job.get("static_configs", [])):
-            if any(target.startswith("trainer:") for target in static.get("targets", [])):
-                (derived_job,) = [j for j in derived["scrape_configs"] if j["job_name"] == job["job_name"]]
-                derived_job["static_configs"][index]["targets"] = ranks
-                found = True
-    if not found:
-        raise StackError(
-            "prometheus/prometheus.yml has no static scrape target on host `trainer` to point at the ranks"
-        )
-    return derived
-
-
-def derive_alertmanager_config(config: dict, *, ports: Ports, token_file: Path) -> dict:
-    """alertmanager/alertmanager.yml for this machine: local addresses, this launcher's token file."""
-    derived = _readdress(copy.deepcopy(config), ports)
-
-    def use_token(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "credentials_file":
-                    node[key] = str(token_file)
-                else:
-                    use_token(value)
-        elif isinstance(node, list):
-            for value in node:
-                use_token(value)
-
-    use_token(derived)
-    return derived
 
 
 def _token_file(run_dir: Path) -> Path:
@@ -158,27 +77,12 @@ def choose_ports(args: argparse.Namespace) -> Ports:
     return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], args.pager_port)
 
 
-def _write_yaml(path: Path, data: dict) -> Path:
-    path.write_text(
-        "# Derived by python -m devstack.stack; edit the file in the repository instead.\n"
-        + yaml.safe_dump(data, sort_keys=False)
-    )
-    return path
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m devstack.stack", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=None, help="run.max_steps (default: the config's)")
     parser.add_argument("--config", type=Path, default=REPO / "trainer" / "rankscope_trainer" / "configs" / "demo.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra trainer setting, as for python -m rankscope_trainer (repeatable)",
-    )
+    add_overrides_option(parser)
     parser.add_argument("--run-dir", type=Path, default=REPO / ".stack", help="derived configs, logs, data, token")
     taken = "; a taken default is replaced by a free port"
     parser.add_argument("--prometheus-port", type=int, help=f"default {Ports.prometheus}{taken}")
@@ -272,25 +176,6 @@ def _write_report(ports: Ports, run_dir: Path, timeout: float = 180.0) -> None:
     print(output[-1] if output else f"rankscope-report exited with {result.returncode}", flush=True)
 
 
-def _write_configs(run_dir: Path, ports: Ports, nproc: int, token: Path) -> tuple[Path, Path]:
-    prom_source = REPO / "prometheus" / "prometheus.yml"
-    am_source = REPO / "alertmanager" / "alertmanager.yml"
-    prometheus = derive_prometheus_config(
-        yaml.safe_load(prom_source.read_text()), ports=ports, nproc=nproc, config_dir=prom_source.parent
-    )
-    alertmanager = derive_alertmanager_config(yaml.safe_load(am_source.read_text()), ports=ports, token_file=token)
-    return _write_yaml(run_dir / "prometheus.yml", prometheus), _write_yaml(run_dir / "alertmanager.yml", alertmanager)
-
-
-def _start_monitoring(children: Children, run_dir: Path, ports: Ports, nproc: int, token: Path) -> list[Child]:
-    """Alertmanager, then Prometheus (which sends to it); returns once both are ready."""
-    prom_config, am_config = _write_configs(run_dir, ports, nproc, token)
-    logs = run_dir / "logs"
-    alertmanager = start_alertmanager(children, am_config, run_dir, ports.alertmanager, logs / "alertmanager.log")
-    prometheus = start_prometheus(children, prom_config, run_dir, ports.prometheus, logs / "prometheus.log")
-    return [prometheus.child, alertmanager.child]
-
-
 def _supervise(stop: threading.Event, monitoring: list[Child], trainer: Child) -> None:
     """Until asked to stop: fail if Prometheus or Alertmanager dies; say so once when training ends."""
     trainer_done = False
@@ -334,7 +219,9 @@ def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout:
 
 
 def run(args: argparse.Namespace) -> int:
-    find_binaries("prometheus", "prometheus-alertmanager")  # fail before touching anything if one is missing
+    find_binaries(
+        "prometheus", "prometheus-alertmanager", hint=INSTALL_HINT
+    )  # fail before touching anything if one is missing
     ports = choose_ports(args)
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -345,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     children = Children()
     try:
-        monitoring = _start_monitoring(children, run_dir, ports, args.nproc, token)
+        stack = MonitoringStack(run_dir, ports, args.nproc, token, children=children, log_dir=run_dir / "logs")
+        monitoring = stack.start().servers
         (run_dir / "prometheus-url").write_text(f"http://127.0.0.1:{ports.prometheus}\n")  # for `make report`
         if stop.is_set():  # Ctrl-C while Prometheus and Alertmanager were starting
             return 0

@@ -52,8 +52,7 @@ from typing import Any
 
 import yaml
 
-from devstack.binaries import find_binary
-from devstack.processes import Child, Children, StackError
+from devstack.processes import Child, Children, StackError, find_binary
 
 __all__ = [
     "VICTORIA_METRICS_FLAGS",

@@ -1,8 +1,8 @@
 """Helpers shared by tests that start real processes (torchrun, servers).
 
 Launching jobs and servers is not test code: it lives in `devstack.jobs` (torchrun, the trainer job,
-reading pages) and `devstack.binaries` (Prometheus, Alertmanager, ports), which the demo and the
-benchmarks use too; this module re-exports them for the tests and adds what only tests need.
+reading pages), `devstack.monitoring` (Prometheus, Alertmanager) and `devstack.ports`, which the demo
+and the benchmarks use too; this module re-exports them for the tests and adds what only tests need.
 """
 
 from __future__ import annotations
@@ -18,17 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from devstack.binaries import (
-    Server,
-    find_binary,
-    free_port,
-    free_port_block,
-    start_alertmanager,
-    start_prometheus,
-    unix_time,
-)
 from devstack.jobs import REPO, fetch, sample_value, samples, stop_process, tail, torchrun, wait_for
-from devstack.processes import Children, StackError
+from devstack.monitoring import INSTALL_HINT, Server, start_alertmanager, start_prometheus, unix_time
+from devstack.ports import free_port, free_port_block
+from devstack.processes import Children, StackError, find_binary
 
 __all__ = [
     "REPO",
@@ -101,9 +94,8 @@ def contract_families(page: str) -> set[str]:
 
 
 # --- real Prometheus / Alertmanager servers and a webhook sink ------------------------------------
-# One launcher for every test that needs the servers, built on the stack launcher's own process
-# handling (devstack.processes): each server in its own session, waited for on /-/ready, stopped with
-# its process group.
+# The local stack's own launchers (devstack.monitoring): each server in its own session, waited for on
+# /-/ready, stopped with its process group.
 
 
 def binary(name: str) -> str:
@@ -111,7 +103,7 @@ def binary(name: str) -> str:
     import pytest
 
     try:
-        return find_binary(name)
+        return find_binary(name, INSTALL_HINT)
     except StackError as exc:
         pytest.fail(f"{exc} (scripts/bootstrap.sh installs every server the tests need)")
 

@@ -32,7 +32,7 @@ def test_no_script_test_or_benchmark_stops_a_process_by_name():
 
 
 def test_nothing_outside_the_tests_imports_from_them():
-    # Launching jobs and servers lives in devstack.jobs and devstack.binaries: the demo and the benchmarks
+    # Launching jobs and servers lives in devstack.jobs and devstack.monitoring: the demo and the benchmarks
     # use the same code as the tests, and a package built from the repository does not need tests/.
     importing = re.compile(r"^\s*(from tests[ .]|import tests\b)", re.M)
     offenders = [

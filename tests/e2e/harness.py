@@ -2,13 +2,13 @@
 
 A :class:`Stack` runs, for one scenario:
 
-- Alertmanager and Prometheus (the system's binaries) with the repository's own
-  config files as the stack launcher derives them (`devstack.stack`: only
-  addresses change), then made fast: 1 s scrape and evaluation, 1 s
-  `group_wait` / `group_interval`;
-- the rules of `exporter/rankscope/mixin/rules.py` with short `for`s and windows
-  (:data:`RULE_SETTINGS`); `retune()` regenerates them with other settings and
-  has Prometheus reload them while the run goes on;
+- Alertmanager and Prometheus: the local stack of the demo and the benchmarks
+  (`devstack.monitoring.MonitoringStack`: the repository's own config files, only
+  addresses changed), made fast: 1 s scrape and evaluation, 1 s `group_wait` /
+  `group_interval`;
+- the rule pack (`rankscope.mixin`) with short `for`s and windows
+  (:data:`RULE_SETTINGS`); `retune()` regenerates it with other settings and
+  has Prometheus reload it while the run goes on;
 - a pager sink (`tests.support.WebhookSink`) where compose's `pager:9095` was;
 - with ``engine="victoriametrics"``, vmagent, VictoriaMetrics and vmalert (`devstack.vmstack`) in
   Prometheus's place: the same scrape jobs, rule files and Alertmanager; the query API is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -39,20 +38,10 @@ import requests
 import yaml
 
 from devstack.jobs import TrainerJob
-from devstack.processes import Children
-from devstack.stack import Ports, derive_alertmanager_config, derive_prometheus_config
-from devstack.vmstack import VictoriaPorts, VictoriaStack
-from tests.support import (
-    REPO,
-    WebhookSink,
-    fetch,
-    sample_value,
-    samples,
-    start_alertmanager,
-    start_prometheus,
-    tail,
-    unix_time,
-)
+from devstack.monitoring import MonitoringStack, unix_time
+from devstack.ports import Ports
+from devstack.vmstack import VictoriaPorts
+from tests.support import WebhookSink, fetch, sample_value, samples, tail
 
 T = TypeVar("T")
 
@@ -91,54 +80,20 @@ UNTIL_STOPPED = 100_000
 
 
 def generate_rules(out: Path, settings: Sequence[str]) -> Path:
-    """Run the repository's rule generator into `out` (recording.yml, alerts.yml)."""
-    argv = [sys.executable, str(REPO / "prometheus" / "generate_rules.py"), "--out", str(out)]
+    """Run the rule pack's command (`rankscope-mixin`) with `settings` into `out`; returns the directory
+    its prometheus.yml's `rule_files` patterns resolve from (`out`/prometheus, holding rules/*.yml)."""
+    argv = [sys.executable, "-m", "rankscope.mixin.cli", "--out", str(out)]
     for setting in settings:
         argv += ["--set", setting]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
-        raise AssertionError(f"generate_rules.py failed: {result.stderr.strip()}")
-    return out
-
-
-def fast_prometheus_config(ports: Ports, config_dir: Path) -> dict:
-    """prometheus/prometheus.yml as the stack launcher derives it, with 1 s scrape and evaluation.
-
-    `config_dir` holds the generated `rules/` (the rule_files paths are relative to it).
-    """
-    source = REPO / "prometheus" / "prometheus.yml"
-    config = derive_prometheus_config(
-        yaml.safe_load(source.read_text()), ports=ports, nproc=NPROC, config_dir=config_dir
-    )
-    interval = f"{INTERVAL_SECONDS}s"
-    config["global"].update(scrape_interval=interval, scrape_timeout=interval, evaluation_interval=interval)
-    return config
-
-
-def fast_alertmanager_config(ports: Ports, token_file: Path) -> dict:
-    """alertmanager/alertmanager.yml as the stack launcher derives it, notifying within a second.
-
-    Routes, receivers, matchers and inhibitions stay as shipped; only the waits shrink (a
-    `group_wait` of 0 s stays 0 s).
-    """
-    source = REPO / "alertmanager" / "alertmanager.yml"
-    config = derive_alertmanager_config(yaml.safe_load(source.read_text()), ports=ports, token_file=token_file)
-    root = config["route"]
-    for route in (root, *root.get("routes", [])):
-        if route.get("group_wait") not in ("0s", "0m"):
-            route["group_wait"] = "1s"
-        route["group_interval"] = "1s"
-    return config
+        raise AssertionError(f"rankscope-mixin failed: {result.stderr.strip()}")
+    return out / "prometheus"
 
 
 def host_memory_now() -> float:
     """Host memory in use (0..1), as the exporter's host probe reports it."""
     return psutil.virtual_memory().percent / 100.0
-
-
-def _write_yaml(path: Path, document: dict) -> Path:
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return path
 
 
 class Stack:
@@ -167,27 +122,19 @@ class Stack:
         self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
         self.token = self.token_file.read_text().strip()
         self.rule_settings: list[str] = list(RULE_SETTINGS)
-        generate_rules(workdir / "rules", self.rule_settings)
+        self._config_dir = generate_rules(workdir / "generated", self.rule_settings)
         self.trainer: TrainerJob | None = None
-        self._children = Children()
+        victoria = None
+        if engine == "victoriametrics":
+            victoria = VictoriaPorts(storage=self.ports.prometheus, vmagent=base + NPROC + 4, vmalert=base + NPROC + 5)
+        self.monitoring = MonitoringStack(
+            workdir, self.ports, NPROC, self.token_file, interval=f"{INTERVAL_SECONDS}s", config_dir=self._config_dir,
+            notify_within="1s", victoria=victoria,
+        )  # fmt: skip
+        self.prometheus_url, self.rules_url = self.monitoring.prometheus_url, self.monitoring.rules_url
+        self.alertmanager_url = self.monitoring.alertmanager_url
         try:
-            am_config = _write_yaml(workdir / "alertmanager.yml", fast_alertmanager_config(self.ports, self.token_file))
-            prom_config = fast_prometheus_config(self.ports, workdir)
-            self.alertmanager_url = start_alertmanager(self._children, am_config, workdir, self.ports.alertmanager).url
-            if engine == "prometheus":
-                prometheus = start_prometheus(
-                    self._children, _write_yaml(workdir / "prometheus.yml", prom_config), workdir, self.ports.prometheus
-                )
-                self._ruler, self.prometheus_url = prometheus.child, prometheus.url
-                self.rules_url = self.scraper_url = self.prometheus_url
-            else:
-                rule_files = [Path(path) for path in prom_config["rule_files"]]
-                ports = VictoriaPorts(storage=self.ports.prometheus, vmagent=base + NPROC + 4, vmalert=base + NPROC + 5)
-                vm = VictoriaStack(self._children, workdir, prom_config, rule_files, ports,
-                                   alertmanager_url=self.alertmanager_url).start()  # fmt: skip
-                assert vm.vmalert is not None
-                self._ruler, self.prometheus_url = vm.vmalert, vm.query_url
-                self.rules_url, self.scraper_url = vm.rules_url, vm.vmagent_url
+            self.monitoring.start()
         except BaseException:
             self.close()
             raise
@@ -201,7 +148,7 @@ class Stack:
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
-        self._children.stop_all({})
+        self.monitoring.close()
         self.pager.close()
 
     # --- rules -----------------------------------------------------------------------------------
@@ -209,20 +156,20 @@ class Stack:
     @property
     def rules(self) -> dict[str, dict[str, Any]]:
         """The alerting rules Prometheus was given, by alert name (as generated)."""
-        groups = yaml.safe_load((self.workdir / "rules" / "alerts.yml").read_text())["groups"]
-        # The alert group starts with recording rules of its own (per-run values its alerts read).
+        groups = [g for path in sorted((self._config_dir / "rules").glob("*.yml"))
+                  for g in yaml.safe_load(path.read_text())["groups"]]  # fmt: skip
         return {rule["alert"]: rule for group in groups for rule in group["rules"] if "alert" in rule}
 
     def retune(self, *settings: str) -> None:
         """Regenerate the rules with `settings` added and have the running Prometheus reload them."""
         before = self._reloaded_at()
         self.rule_settings += settings
-        generate_rules(self.workdir / "rules", self.rule_settings)
-        self._ruler.popen.send_signal(signal.SIGHUP)  # Prometheus and vmalert both reload their rules on SIGHUP
+        generate_rules(self.workdir / "generated", self.rule_settings)
+        self.monitoring.reload_rules()
         self.wait(lambda: self._reloaded_at() > before, f"the ruler to reload rules with {settings}", timeout=20)
         reload_ok = sample_value(samples(fetch(f"{self.rules_url}/metrics")), f"{self._ruler_metrics}_successful")
         assert reload_ok == 1, (
-            f"the ruler refused the retuned rules\n{tail(self.workdir / f'{self._ruler.name}.log', 10)}"
+            f"the ruler refused the retuned rules\n{tail(self.workdir / f'{self.monitoring.ruler.name}.log', 10)}"
         )
 
     @property
@@ -325,22 +272,15 @@ class Stack:
     # --- Prometheus and Alertmanager -----------------------------------------------------------
 
     def prometheus(self, path: str, **params: Any) -> Any:
-        """A Prometheus HTTP API call: queries go to the store, rules and alerts to the ruler, targets to the
-        scraper (all three are Prometheus itself, or VictoriaMetrics, vmalert and vmagent)."""
-        base = {"/api/v1/alerts": self.rules_url, "/api/v1/rules": self.rules_url, "/api/v1/targets": self.scraper_url}
-        answer = requests.get(f"{base.get(path, self.prometheus_url)}{path}", params=params, timeout=10)
-        answer.raise_for_status()
-        body = answer.json()
-        if body.get("status") != "success":
-            raise AssertionError(f"Prometheus {path} {params}: {body}")
-        return body["data"]
+        """A Prometheus HTTP API call's `data` (routed as `MonitoringStack.api` routes it)."""
+        return self.monitoring.api(path, **params)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result vector."""
-        return self.prometheus("/api/v1/query", query=expr)["result"]
+        return self.monitoring.query(expr)
 
     def query_range(self, expr: str, start: float, end: float, step: float = INTERVAL_SECONDS) -> list[dict]:
-        return self.prometheus("/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
+        return self.monitoring.query_range(expr, start, end, step)
 
     def alerts(self, alertname: str | None = None, state: str = "firing") -> list[dict[str, Any]]:
         """Prometheus's active alerts in `state` (firing or pending), of one name if given."""
@@ -360,12 +300,15 @@ class Stack:
         result = self.prometheus("/api/v1/query", query=f'ALERTS{{alertstate="firing"}}[{window}]', time=end)
         return [series["metric"] for series in result["result"]]
 
-    def last_evaluation(self, group: str = "rankscope.alerts") -> float:
-        """Unix time of the rule group's latest evaluation."""
-        groups = {g["name"]: g for g in self.prometheus("/api/v1/rules")["groups"]}
-        if "lastEvaluation" in groups[group]:
-            return unix_time(groups[group]["lastEvaluation"])
-        return max(unix_time(rule["lastEvaluation"]) for rule in groups[group]["rules"])  # vmalert: per rule
+    def last_evaluation(self) -> float:
+        """Unix time of the latest evaluation of any alerting rule group."""
+        latest = 0.0
+        for group in self.prometheus("/api/v1/rules", type="alert")["groups"]:
+            if "lastEvaluation" in group:
+                latest = max(latest, unix_time(group["lastEvaluation"]))
+            else:  # vmalert: per rule
+                latest = max([latest, *(unix_time(rule["lastEvaluation"]) for rule in group["rules"])])
+        return latest
 
     def pages(self, alertname: str | None = None) -> list[dict[str, Any]]:
         """Alerts the pager sink received (each as Alertmanager sent it, with its labels)."""
@@ -423,8 +366,7 @@ class Stack:
         parts.append(self._section("trainer control status", lambda: json.dumps(self.status(), indent=1)[-4000:]))
         if self.trainer is not None:
             parts.append(f"--- trainer output (tail) ---\n{self.trainer.tail(40)}")
-        for child in self._children:
-            parts.append(f"--- {child.name} log (tail) ---\n{child.log_tail(10)}")
+        parts.append(self.monitoring.log_tails(10))
         return "\n".join(parts)
 
     @staticmethod
@@ -451,12 +393,10 @@ class Stack:
         return "\n".join(lines)
 
     def _alertmanager_alerts(self) -> str:
-        answer = requests.get(f"{self.alertmanager_url}/api/v2/alerts", timeout=10)
-        answer.raise_for_status()
         return "\n".join(
             f"{short_labels(a['labels'])} state={a['status']['state']} startsAt={a['startsAt']} "
             f"receivers={[r['name'] for r in a['receivers']]}"
-            for a in answer.json()
+            for a in self.monitoring.alertmanager_alerts()
         )
 
     def _pager_deliveries(self) -> str:

@@ -26,21 +26,14 @@ from rankscope.control import ControlStartError
 from torch.distributed import DistError
 
 from rankscope_trainer.checkpoint import CheckpointError
-from rankscope_trainer.config import ConfigError, load_config
+from rankscope_trainer.config import ConfigError, add_overrides_option, load_config
 from rankscope_trainer.data import DataError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rankscope_trainer", description="rankscope's reference trainer.")
     parser.add_argument("--config", help="YAML config (default: built-in defaults)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one setting, e.g. --set optim.lr=3e-4 (repeatable; value read as YAML)",
-    )
+    add_overrides_option(parser)
     parser.add_argument(
         "--resume",
         default="none",

@@ -13,6 +13,7 @@ Every field has a default, so a YAML file lists only what it changes.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import re
@@ -36,6 +37,7 @@ __all__ = [
     "RunConfig",
     "SyntheticConfig",
     "TrainConfig",
+    "add_overrides_option",
     "build_section",
     "load_config",
 ]
@@ -411,6 +413,18 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
             raise ConfigError(f"--set {key}: {where} is a single value, not a section")
         node = child
     node[leaf] = value
+
+
+def add_overrides_option(parser: argparse.ArgumentParser) -> None:
+    """The `--set KEY=VALUE` option (repeatable) of every command that starts the trainer; -> `args.overrides`."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one trainer setting, e.g. --set optim.lr=3e-4 (repeatable; value read as YAML)",
+    )
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
