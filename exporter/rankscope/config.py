@@ -69,8 +69,11 @@ class MonitorConfig:
     """The dtype the model's matrix products run in (bf16, fp16, tf32, fp32): picks the table's peak."""
     page_cache_seconds: float = 1.0
     """The rendered /metrics page is reused for this long, so the page is rendered and the probes run
-    at most once per period however often it is scraped (a scrape may see values this much older).
-    0 renders on every scrape."""
+    at most once per period however often it is scraped (a scrape may see values this much older; never
+    older than the last state change: the run's end, an action, a pause). 0 renders on every scrape."""
+    web_config_file: str = ""
+    """exporter-toolkit web configuration file for /metrics (TLS, client certificates, basic auth): see
+    docs/security.md. Empty: $RANKSCOPE_METRICS_WEB_CONFIG_FILE, else $RANKSCOPE_WEB_CONFIG_FILE, else plain HTTP."""
 
     def __post_init__(self) -> None:
         self.probes = tuple(self.probes)

@@ -78,6 +78,7 @@ from rankscope.control.stops import StopSignals, first_reason
 from rankscope.identity import RankIdentity
 from rankscope.instruments import Instruments
 from rankscope.serving.exposition import state_changed
+from rankscope.serving.webconfig import web_config_for
 
 __all__ = ["ControlChannel", "ControlHandler", "ControlStartError"]
 
@@ -320,7 +321,8 @@ class ControlChannel:
                 stacks=self._stacks,
                 immediate=self._restarter.submit,
             )
-            self._server = serve_control(create_app(deps), self.config.host, self.config.port)
+            web = web_config_for("control", self.config.web_config_file)
+            self._server = serve_control(create_app(deps), self.config.host, self.config.port, web=web)
         except (ValueError, OSError, RuntimeError) as exc:
             return str(exc)
         where = f"{self.config.host}:{self._server.port}"
@@ -348,7 +350,8 @@ class ControlChannel:
             try:
                 token = load_token(self.config)
                 if token is not None or self.config.insecure:
-                    self._peer_server = serve_control(create_peer_app(self.rank, token), self.config.host, 0)
+                    web = web_config_for("control", self.config.web_config_file)
+                    self._peer_server = serve_control(create_peer_app(self.rank, token), self.config.host, 0, web=web)
                     url = self._peer_server.url
             except (ValueError, OSError, RuntimeError) as exc:
                 logger.warning("rankscope: rank %d serves no stacks: %s", self.rank, exc)

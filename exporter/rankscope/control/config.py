@@ -37,6 +37,10 @@ class ControlConfig:
     """Environment variable holding the bearer token, used when token_file is empty."""
     insecure: bool = False
     """Allow starting without any token (every request is then accepted). Only for trusted networks."""
+    web_config_file: str = ""
+    """exporter-toolkit web configuration file for the control endpoint (TLS, client certificates; the bearer
+    token still guards every route but /healthz): see docs/security.md. Empty: $RANKSCOPE_CONTROL_WEB_CONFIG_FILE,
+    else $RANKSCOPE_WEB_CONFIG_FILE, else plain HTTP."""
     max_body_bytes: int = 1_048_576
     """Larger request bodies are refused with 413 without being parsed."""
     max_pending: int = 64

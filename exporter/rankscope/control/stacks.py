@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankscope.control.client import ClientTls
+
 __all__ = ["Folded", "capture", "fold", "format_ranks", "gather", "headline", "render", "write_stacks"]
 
 #: Seconds one rank gets to answer a stacks request (a hung rank's serving threads still answer).
@@ -160,7 +162,9 @@ def _fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        # Over TLS, rank 0 trusts and presents what the operator's tools do (RANKSCOPE_CONTROL_CA/_CERT/_KEY).
+        context = ClientTls.from_env().ssl_context() if url.startswith("https:") else None
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return json.loads(response.read().decode("utf-8"))
     except urllib.error.HTTPError as exc:
         return {"error": f"HTTP {exc.code} from {url}"}

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BasicAuth", "TlsSettings", "WebConfig", "WebConfigError", "load_web_config"]
+__all__ = ["BasicAuth", "TlsSettings", "WebConfig", "WebConfigError", "load_web_config", "web_config_for"]
 
 logger = logging.getLogger("rankscope")
 
@@ -289,7 +289,10 @@ def parse_web_config(document: Any, path: str = "<web config>") -> WebConfig:
         basic = BasicAuth(dict(users))
     web = WebConfig(tls, basic, path)
     if tls is not None:
-        tls.context()  # fails the start here, in one line naming the key
+        try:
+            tls.context()  # fails the start here, in one line naming the key
+        except WebConfigError as exc:
+            raise WebConfigError(f"web config {path}: {exc}") from None
     return web
 
 
@@ -344,3 +347,17 @@ def _parse_tls(section: Any, base: Path, path: str) -> TlsSettings | None:
             "tls_server_config.cipher_suites", f"must be a list of Go TLS 1.2 suite names, got {suites!r}", path
         )
     return TlsSettings(cert, key, auth, ca, versions[0], versions[1], tuple(suites))
+
+
+#: Environment variables naming a web configuration file: the endpoint's own, then the shared one.
+ENV = {
+    "metrics": ("RANKSCOPE_METRICS_WEB_CONFIG_FILE", "RANKSCOPE_WEB_CONFIG_FILE"),
+    "control": ("RANKSCOPE_CONTROL_WEB_CONFIG_FILE", "RANKSCOPE_WEB_CONFIG_FILE"),
+}
+
+
+def web_config_for(endpoint: str, configured: str = "", env: Mapping[str, str] | None = None) -> WebConfig:
+    """The endpoint's web configuration: its setting, else its environment variable, else the shared one."""
+    env = os.environ if env is None else env
+    path = configured or next((env[name] for name in ENV[endpoint] if env.get(name)), "")
+    return load_web_config(path)
