@@ -47,6 +47,7 @@ from rankscope.modules import ModuleStats
 from rankscope.probes import Probe, ProbeCollector, default_probes
 from rankscope.serving.exposition import state_changed
 from rankscope.serving.metrics_endpoint import MetricsServer, serve_metrics
+from rankscope.serving.webconfig import web_config_for
 from rankscope.step_memory import StepPeakMemory
 
 __all__ = ["Monitor", "StepContext"]
@@ -153,6 +154,7 @@ class Monitor:
                 self.config.port_fallback,
                 who,
                 page_cache_seconds=self.config.page_cache_seconds,
+                web=web_config_for("metrics", self.config.web_config_file),
             )
             logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
         return self._server
