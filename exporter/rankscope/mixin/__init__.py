@@ -21,7 +21,8 @@ Adding an area (say ``hangs``) is one new file, ``rules/hangs.py``, defining
 the package, its group is ordered after the groups whose series it reads, and ``rankscope-mixin`` writes
 ``prometheus/rules/hangs.yml`` (Prometheus loads ``rules/*.yml``). Then add its Tunables to
 ``config.Tunables`` (and, if it asks for an action, an entry in ``config.ACTION_TUNABLES``), its promtool
-tests as ``prometheus/tests/hangs_test.yml`` (``rule_files: [../rules/*.yml]``, ``group_eval_order`` listing the groups in the
-order the generator gives them), a runbook section per alert in ``docs/runbook.md`` and a row
-in prometheus/README.md's alert table; tests/test_prometheus_rules.py checks each of those.
+tests as ``prometheus/tests/hangs_test.yml`` (``rule_files: [../rules/*.yml]``, ``group_eval_order``
+listing the groups in the order the generator gives them), a runbook section per alert in
+``docs/runbook.md`` and a row in prometheus/README.md's alert table; tests/test_prometheus_rules.py checks
+each of those.
 """
