@@ -234,6 +234,7 @@ PANEL_TUNABLES = {
     "Compute time over median, per rank": (("imbalance_ratio",), ()),
     "Data wait per rank (p90)": (("data_wait_p90_seconds",), ("data_wait_p90_seconds", "data_loader_for")),
     "Data-wait share per rank": (("data_wait_share",), ("data_wait_share", "data_loader_for")),
+    "Goodput": (("goodput_ratio",), ("goodput_ratio", "goodput_window", "goodput_for")),
 }
 
 

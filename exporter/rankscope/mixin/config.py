@@ -180,6 +180,14 @@ class Tunables:
     """A failed checkpoint keeps its alert firing this long (each failure is an event; no `for`)."""
     checkpoint_failing_for: str = "0s"
     checkpoint_failing_severity: str = "page"
+    goodput_ratio: float = 0.9
+    """The job's goodput (productive share of its wall time) over `goodput_window` below this is a ticket."""
+    goodput_window: str = "1h"
+    """The rolling window of the goodput alert (the whole-job ratio is recorded too)."""
+    goodput_min_wall_seconds: float = 3600.0
+    """A job younger than this is not judged: its start-up would dominate any window."""
+    goodput_for: str = "15m"
+    goodput_severity: str = "ticket"
     loss_plateau_improvement: float = 0.01
     """The smoothed training loss improving by less than this share (0..1) of its level per 1000 steps, over
     `loss_change_window`, has plateaued (a loss that climbs has not improved either)."""

@@ -107,7 +107,16 @@ LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
 PAUSED_MAX = f"run:{metric_name('paused')}:max"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
-
+# efficiency
+GOODPUT_BUCKETS = f"run:{metric_name('goodput_seconds_total')}:by_bucket"
+GOODPUT_WALL = f"run:{metric_name('goodput_seconds_total')}:wall"
+GOODPUT_PRODUCTIVE = f"run:{metric_name('goodput_seconds_total')}:productive"
+GOODPUT_RATIO = f"run:{metric_name('goodput_seconds_total')}:goodput_ratio"
+GOODPUT_WINDOW_RATIO = f"run:{metric_name('goodput_seconds_total')}:goodput_window_ratio"
+BADPUT_WINDOW = f"run:{metric_name('goodput_seconds_total')}:badput_window"
+FLOPS_RATE = f"run:{_counter('model_flops_total')}:rate"
+PEAK_FLOPS = f"run:{metric_name('peak_flops_per_second')}:sum"
+MFU = f"run:{_counter('model_flops_total')}:mfu_ratio"
 
 _RECORDED_NAME = re.compile(r"\b[a-z_]+:[a-zA-Z0-9_]+:[a-zA-Z0-9_]+\b")
 

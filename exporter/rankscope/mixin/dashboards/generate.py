@@ -206,6 +206,7 @@ def run_overview() -> dict:
                     ),
                 ],
             ),
+            efficiency_row(),
             (
                 "Memory",
                 [
@@ -260,6 +261,55 @@ def run_overview() -> dict:
                         w=8,
                     ),
                 ],
+            ),
+        ],
+    )
+
+
+def efficiency_row() -> tuple[str, list]:
+    """Goodput (where the job's time went, across restarts) and MFU (docs/goodput.md)."""
+    badput = f'{promql.GOODPUT_BUCKETS}{{{RUN_SEL}, bucket!="training"}}'
+    return (
+        "Goodput and MFU",
+        [
+            timeseries(
+                "Where the time went",
+                "s",
+                Target(_rec(promql.GOODPUT_PRODUCTIVE), "productive"),
+                Target(badput, "{{bucket}}"),
+                description="The job's wall time since its first start, across restarts, stacked: productive "
+                "training (kept), and each cause of badput (startup and restarts, lost work thrown away by a "
+                "resume or a rollback, checkpoint saves, validation, pauses, hangs). Kept by rank 0.",
+                stacked=True,
+            ),
+            timeseries(
+                "Goodput",
+                "percentunit",
+                Target(_rec(promql.GOODPUT_RATIO), "whole job"),
+                Target(_rec(promql.GOODPUT_WINDOW_RATIO), f"last {T.goodput_window}"),
+                description="Productive share of the job's wall time. The ticket fires below "
+                f"{_pct(T.goodput_ratio)} over {T.goodput_window} for {T.goodput_for}.",
+                min_val=0,
+                max_val=1,
+                w=4,
+                threshold=T.goodput_ratio,
+            ),
+            timeseries(
+                "MFU",
+                "percentunit",
+                Target(_rec(promql.MFU), "MFU"),
+                description="Model FLOP/s over the devices' peak (metrics.peak_flops or the table for a known "
+                "GPU). Absent without a peak (a CPU) or without FLOPs per step (metrics.count_flops).",
+                min_val=0,
+                w=4,
+            ),
+            timeseries(
+                "Achieved FLOP/s",
+                "flops",
+                Target(_rec(promql.FLOPS_RATE), "run"),
+                Target(rate_sum("model_flops_total", "rank"), "rank {{rank}}"),
+                description="Model FLOPs per second (FLOPs per step counted once by FlopCounterMode, or given).",
+                w=4,
             ),
         ],
     )

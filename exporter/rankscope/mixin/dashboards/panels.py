@@ -181,8 +181,10 @@ def timeseries(
     min_val: float | None = None,
     max_val: float | None = None,
     threshold: Threshold | None = None,
+    stacked: bool = False,
 ) -> Builder[dash_m.Panel]:
-    """A time series panel; `threshold` draws an alert's line (pass the Tunables value, never a literal)."""
+    """A time series panel; `threshold` draws an alert's line (pass the Tunables value, never a literal);
+    `stacked` stacks the series (parts of a whole)."""
     panel = (
         ts_b.Panel()
         .legend(
@@ -202,6 +204,8 @@ def timeseries(
         panel = panel.scale_distribution(
             common_b.ScaleDistributionConfig().type(common_m.ScaleDistribution.LOG).log(10)
         )
+    if stacked:
+        panel = panel.stacking(common_b.StackingConfig().mode(common_m.StackingMode.NORMAL)).fill_opacity(60)
     if min_val is not None:
         panel = panel.min(min_val)
     if max_val is not None:
