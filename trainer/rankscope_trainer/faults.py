@@ -48,11 +48,13 @@ What each one does, and the signal it leaves:
   as a hung rank of a large job does, in one of three places (`kind`):
   `data`: its data loader never delivers the step's batch (a worker
   deadlock, a read that never returns); `compute`: it never leaves the
-  step's forward (a wedged device); `collective`: it skips the step's
-  gradient all-reduce (as a rank that took another branch), so it waits in
-  the next collective (the control exchange) while every other rank waits
-  in the all-reduce it never entered. The other ranks then wait in the
-  step's all-reduce. `RankscopeRankHung` names the rank and its phase, and
+  step's forward (a wedged device); `collective`: it leaves the step's
+  gradient all-reduce out (as a rank that took another branch) and blocks
+  after its backward, so every other rank waits in the all-reduce it never
+  entered and its collective count lags theirs. (It blocks rather than
+  issuing its next collective: gloo aborts a process whose collectives
+  mismatch, which is a crash, not a hang.) In the first two kinds the other
+  ranks wait in the step's all-reduce. `RankscopeRankHung` names the rank and its phase, and
   its `restart` action gets the group training again from the newest
   checkpoint (`torchrun --max-restarts`).
 """
@@ -302,8 +304,16 @@ class FaultInjector:
         return loss
 
     def skips_collective(self, step: int) -> bool:
-        """Whether this rank leaves the step's gradient all-reduce out (faults.hang, kind collective)."""
+        """Whether this rank leaves the step's gradient all-reduce out (faults.hang, kind collective); it then
+        blocks in `after_backward`."""
         return self._hangs("collective", step)
+
+    def after_backward(self, step: int) -> None:
+        """The rank that skipped the step's all-reduce waits elsewhere, for ever."""
+        hang = self.config.hang
+        mine = hang.kind == "collective" and step == hang.at_step and self._mine("hang", hang.rank)
+        if mine and not self.restart_count:
+            _hang_outside_the_collective()
 
     def _hangs(self, kind: str, step: int) -> bool:
         hang = self.config.hang
@@ -335,6 +345,11 @@ class FaultInjector:
 
 def _hang_in_data_loader() -> None:
     """Wait for a batch that never comes: the frame a hung rank's stacks show (issue 26)."""
+    threading.Event().wait()
+
+
+def _hang_outside_the_collective() -> None:
+    """A rank that skipped the all-reduce its peers wait in: the frame its stacks show."""
     threading.Event().wait()
 
 

@@ -259,6 +259,8 @@ class Trainer:
                     if index == last:
                         loss = self.faults.after_forward(step.index, loss)
                     self.scaler.scale(loss).backward()
+                    if index == last:
+                        self.faults.after_backward(step.index)
                 if index == 0:
                     attention = recorded
             self.scaler.unscale_(self.optimizer)
