@@ -110,3 +110,22 @@ def test_the_old_generator_entry_points_are_gone():
     for path in mixin_dir.rglob("*.py"):
         if path.name != "cli.py":
             assert "__main__" not in path.read_text(), f"{path}: one entry point only (rankscope.mixin.cli)"
+
+
+def test_without_the_grafana_sdk_the_rules_and_routes_are_still_written(tmp_path: Path):
+    # The dashboards need the `mixin` extra; the rules, routes and PrometheusRule need only the core.
+    run = (
+        "import sys; sys.modules['grafana_foundation_sdk'] = None\n"
+        "from rankscope.mixin import cli\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", run, "--kubernetes", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'rankscope[mixin]'" in result.stderr and result.stderr.count("\n") == 1
+    written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert "alertmanager/alertmanager.yml" in written and "kubernetes/prometheusrule.yaml" in written
+    assert not {name for name in written if name.startswith("grafana/") or "dashboards" in name}
+    checked = subprocess.run([sys.executable, "-c", run, "--check", "--out", str(REPO)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert checked.returncode == 2 and "mixin extra" in checked.stderr

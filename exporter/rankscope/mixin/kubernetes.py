@@ -38,8 +38,8 @@ def dashboard_configmap(file_name: str, text: str) -> dict[str, Any]:
 
 def render(groups: list[dict[str, Any]], dashboards: dict[str, str]) -> dict[str, str]:
     """File name -> text: the PrometheusRule and the dashboards' ConfigMaps (one YAML document each)."""
-    maps = [_yaml.dump(dashboard_configmap(name, text)) for name, text in dashboards.items()]
-    return {
-        PROMETHEUS_RULE: _yaml.HEADER + _yaml.dump(prometheus_rule(groups)),
-        DASHBOARD_CONFIGMAPS: _yaml.HEADER + "---\n".join(maps),
-    }
+    found = {PROMETHEUS_RULE: _yaml.HEADER + _yaml.dump(prometheus_rule(groups))}
+    if dashboards:  # none without the Grafana SDK (the mixin extra)
+        maps = [_yaml.dump(dashboard_configmap(name, text)) for name, text in dashboards.items()]
+        found[DASHBOARD_CONFIGMAPS] = _yaml.HEADER + "---\n".join(maps)
+    return found
