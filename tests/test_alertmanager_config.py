@@ -54,6 +54,7 @@ EXPECTED_RECEIVERS = {
     "RankscopeRunStalled": "pager",
     "RankscopeRankDown": "pager",
     "RankscopeRunPaused": "null",
+    "RankscopeGoodputLow": "tickets",
 }
 
 
