@@ -279,8 +279,8 @@ def _exchange(port: int, raw: bytes, wait: float = 5.0) -> bytes:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_non_ascii_digit_in_content_length_is_answered_400(kind):
     # `Content-Length: ²` passed str.isdigit() and raised in the I/O thread: the connection dropped unanswered.
-    path = b"/v1/actions" if kind == "control" else b"/metrics"
-    raw = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + "²".encode() + b"\r\n\r\n"
+    path = PATHS[kind].encode()
+    raw = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + "²".encode("latin-1") + b"\r\n\r\n"
     with running(kind, timeout=30) as server:
         assert _exchange(server.port, raw).startswith(b"HTTP/1.1 400 ")
         assert get(server.port, PATHS[kind]) == 200
