@@ -37,7 +37,7 @@ VictoriaMetrics, so a rule that reads a recorded series sees it one evaluation l
 vmalert's 1 s flush and VictoriaMetrics' up to 1 s before new samples are searchable), where
 Prometheus evaluates a group top to bottom in one pass. The generated rules therefore keep
 chains short: no alert is more than two recording levels above the scraped data
-(exporter/rankscope/mixin/rules.py, `recording_depth`). And a series VictoriaMetrics 1.79 has never
+(rankscope.mixin.promql, `recording_depth`). And a series VictoriaMetrics 1.79 has never
 seen becomes searchable only after about 9 s (it registers new series in its index in the
 background; measured here, with -search.latencyOffset=1s): in a run's first seconds each level
 of recorded series appears that much later. A warm run (every recorded series exists) is not
