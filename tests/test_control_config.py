@@ -18,7 +18,7 @@ def test_defaults_bind_loopback_and_need_a_token():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"port": 70000}, "control.port must be between 0 and 65535, got 70000"),
+        ({"port": 70000}, "control.port must be an integer between 0 and 65535, got 70000"),
         ({"host": "not a host"}, "control.host must be an IP address or host name"),
         ({"check_every_n_steps": 0}, "control.check_every_n_steps must be an integer >= 1, got 0"),
         ({"lr_factor": 1.0}, "control.lr_factor must be between 0 and 1 (exclusive), got 1.0"),

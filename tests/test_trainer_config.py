@@ -67,7 +67,7 @@ def test_a_section_that_is_not_a_mapping_is_named() -> None:
         ({"model": {"patch_size": 7}}, "model.patch_size (7) must divide model.image_size (48)"),
         ({"faults": {"crash": {"exit_code": 0}}}, "faults.crash.exit_code must be in 1..255, got 0"),
         ({"faults": {"straggler": {"mode": "spin"}}}, "faults.straggler.mode must be sleep or compute"),
-        ({"metrics": {"base_port": 70000}}, "metrics.base_port must be between 0 and 65535"),
+        ({"metrics": {"base_port": 70000}}, "metrics.base_port must be an integer between 0 and 65535"),
         ({"run": {"run_id": "my run"}}, "run.run_id must be 1-64 characters of letters, digits and _.:-"),
     ],
 )
@@ -76,7 +76,7 @@ def test_an_out_of_range_value_is_named(raw: dict, expected: str) -> None:
 
 
 def test_control_settings_are_checked_by_the_control_package_at_start() -> None:
-    assert "control.port must be between 0 and 65535" in _error({"control": {"port": -1}})
+    assert "control.port must be an integer between 0 and 65535" in _error({"control": {"port": -1}})
     assert "unknown setting control.tokn_file" in _error({"control": {"tokn_file": "x"}})
 
 

@@ -6,6 +6,8 @@ import ipaddress
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from rankscope._checks import check_range
+
 __all__ = ["MonitorConfig", "config_from_mapping"]
 
 
@@ -79,27 +81,20 @@ class MonitorConfig:
         self.probes = tuple(self.probes)
         check_host("metrics.host", self.host)
         check_port("metrics.base_port", self.base_port)
-        at_least("metrics.port_fallback", self.port_fallback, 0)
-        at_least("metrics.resolve_every_n_steps", self.resolve_every_n_steps, 1)
-        at_least("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, 0)
-        at_least("metrics.max_module_groups", self.max_module_groups, 1)
-        cache = self.page_cache_seconds
-        if isinstance(cache, bool) or not isinstance(cache, int | float) or not 0 <= cache <= 3600:
-            raise ValueError(f"metrics.page_cache_seconds must be between 0 and 3600 (0: no cache), got {cache!r}")
+        check_range("metrics.port_fallback", self.port_fallback, ge=0, integer=True)
+        check_range("metrics.resolve_every_n_steps", self.resolve_every_n_steps, ge=1, integer=True)
+        check_range("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, ge=0, integer=True)
+        check_range("metrics.max_module_groups", self.max_module_groups, ge=1, integer=True)
+        check_range("metrics.page_cache_seconds", self.page_cache_seconds, ge=0, le=3600, note=" (0: no cache)")
         for name in ("goodput_flush_seconds", "hang_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"metrics.{name} must be a number of seconds > 0, got {value!r}")
+            check_range(f"metrics.{name}", getattr(self, name), gt=0)
         for name in ("flops_per_step", "peak_flops"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"metrics.{name} must be a number >= 0 (0: unknown), got {value!r}")
+            check_range(f"metrics.{name}", getattr(self, name), ge=0, note=" (0: unknown)")
         if self.compute_dtype not in ("bf16", "fp16", "tf32", "fp32"):
             raise ValueError(f"metrics.compute_dtype must be one of bf16, fp16, tf32, fp32, got {self.compute_dtype!r}")
-        at_least("metrics.spike_window", self.spike_window, 2)
-        at_least("metrics.spike_patience", self.spike_patience, 1)
-        if not self.spike_ratio > 1.0:
-            raise ValueError(f"metrics.spike_ratio must be greater than 1, got {self.spike_ratio}")
+        check_range("metrics.spike_window", self.spike_window, ge=2, integer=True)
+        check_range("metrics.spike_patience", self.spike_patience, ge=1, integer=True)
+        check_range("metrics.spike_ratio", self.spike_ratio, gt=1)
         unknown = set(self.probes) - {"host", "device", "nvml"}
         if unknown:
             raise ValueError(f"metrics.probes has unknown probe(s) {sorted(unknown)}; known: device, host, nvml")
@@ -116,14 +111,7 @@ def check_host(name: str, host: str) -> None:
 
 def check_port(name: str, port: int) -> None:
     """A TCP port, 0 meaning "pick a free one"."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"{name} must be between 0 and 65535, got {port!r}")
-
-
-def at_least(name: str, value: int, minimum: int) -> None:
-    """An integer >= minimum; the error names the setting."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    check_range(name, port, ge=0, le=65535, integer=True)
 
 
 def config_from_mapping(cls: type, data: dict[str, Any] | None, section: str) -> Any:

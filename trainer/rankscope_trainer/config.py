@@ -14,6 +14,7 @@ Every field has a default, so a YAML file lists only what it changes.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 import yaml
 from rankscope import MonitorConfig, RankIdentity, config_from_mapping
+from rankscope._checks import check_range
 from rankscope.control import ControlConfig
 
 from rankscope_trainer.faults import FaultsConfig
@@ -85,6 +87,10 @@ def check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+#: A range check whose error is a ConfigError (the one range-check style: rankscope._checks).
+in_range = functools.partial(check_range, error=ConfigError)
+
+
 def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     check(value in choices, f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
@@ -122,14 +128,14 @@ class RunConfig:
     `attention/` beside `log_file`, for the run report (0 = none; see trainer/rankscope_trainer/attention_maps.py)."""
 
     def __post_init__(self) -> None:
-        check(self.max_steps >= 1, f"run.max_steps must be >= 1, got {self.max_steps}")
-        check(self.log_every >= 1, f"run.log_every must be >= 1, got {self.log_every}")
-        check(self.val_every >= 0, f"run.val_every must be >= 0, got {self.val_every}")
-        check(self.stats_every >= 0, f"run.stats_every must be >= 0, got {self.stats_every}")
-        check(self.threads >= 0, f"run.threads must be >= 0, got {self.threads}")
-        check(self.dist_timeout_seconds >= 1, f"run.dist_timeout_seconds must be >= 1, got {self.dist_timeout_seconds}")
-        check(self.linger_seconds >= 0, f"run.linger_seconds must be >= 0, got {self.linger_seconds}")
-        check(0 <= self.attention_maps <= 16, f"run.attention_maps must be between 0 and 16, got {self.attention_maps}")
+        in_range("run.max_steps", self.max_steps, ge=1)
+        in_range("run.log_every", self.log_every, ge=1)
+        in_range("run.val_every", self.val_every, ge=0)
+        in_range("run.stats_every", self.stats_every, ge=0)
+        in_range("run.threads", self.threads, ge=0)
+        in_range("run.dist_timeout_seconds", self.dist_timeout_seconds, ge=1)
+        in_range("run.linger_seconds", self.linger_seconds, ge=0)
+        in_range("run.attention_maps", self.attention_maps, ge=0, le=16)
         _one_of("run.device", self.device, ("auto", "cpu", "cuda"))
         _one_of("run.amp", self.amp, ("off", "fp16", "bf16"))
         if self.run_id:
@@ -165,8 +171,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.dir), "checkpoint.dir must not be empty")
-        check(self.every_steps >= 0, f"checkpoint.every_steps must be >= 0, got {self.every_steps}")
-        check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+        in_range("checkpoint.every_steps", self.every_steps, ge=0)
+        in_range("checkpoint.keep", self.keep, ge=1)
 
 
 @dataclass
@@ -181,9 +187,9 @@ class SyntheticConfig:
     """Side of the rendered images in pixels (the model resizes to model.image_size)."""
 
     def __post_init__(self) -> None:
-        check(self.train_size >= 1, f"data.synthetic.train_size must be >= 1, got {self.train_size}")
-        check(self.val_size >= 1, f"data.synthetic.val_size must be >= 1, got {self.val_size}")
-        check(self.image_size >= 12, f"data.synthetic.image_size must be >= 12, got {self.image_size}")
+        in_range("data.synthetic.train_size", self.train_size, ge=1)
+        in_range("data.synthetic.val_size", self.val_size, ge=1)
+        in_range("data.synthetic.image_size", self.image_size, ge=12)
 
 
 @dataclass
@@ -223,11 +229,11 @@ class DataConfig:
         if self.source == "manifest":
             check(bool(self.manifest), "data.manifest must be set when data.source is manifest")
             check(bool(self.val_manifest), "data.val_manifest must be set when data.source is manifest")
-        check(self.batch_size >= 2, f"data.batch_size must be >= 2 (in-batch negatives), got {self.batch_size}")
-        check(self.val_batch_size >= 2, f"data.val_batch_size must be >= 2, got {self.val_batch_size}")
-        check(self.accumulation_steps >= 1, f"data.accumulation_steps must be >= 1, got {self.accumulation_steps}")
-        check(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
-        check(self.max_text_length >= 3, f"data.max_text_length must be >= 3, got {self.max_text_length}")
+        in_range("data.batch_size", self.batch_size, ge=2, note=" (in-batch negatives)")
+        in_range("data.val_batch_size", self.val_batch_size, ge=2)
+        in_range("data.accumulation_steps", self.accumulation_steps, ge=1)
+        in_range("data.num_workers", self.num_workers, ge=0)
+        in_range("data.max_text_length", self.max_text_length, ge=3)
 
 
 @dataclass
@@ -262,9 +268,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _one_of("model.image_encoder", self.image_encoder, ("vit", "resnet"))
         for name in ("image_size", "patch_size", "image_hidden", "image_layers", "image_heads"):
-            _positive(f"model.{name}", getattr(self, name))
+            in_range(f"model.{name}", getattr(self, name), ge=1)
         for name in ("text_hidden", "text_layers", "text_heads", "embed_dim"):
-            _positive(f"model.{name}", getattr(self, name))
+            in_range(f"model.{name}", getattr(self, name), ge=1)
         if self.image_encoder == "vit":
             check(
                 self.image_size % self.patch_size == 0,
@@ -278,8 +284,8 @@ class ModelConfig:
             self.text_hidden % self.text_heads == 0,
             f"model.text_heads ({self.text_heads}) must divide model.text_hidden ({self.text_hidden})",
         )
-        check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
-        check(self.init_temperature > 0, f"model.init_temperature must be > 0, got {self.init_temperature}")
+        in_range("model.dropout", self.dropout, ge=0, lt=1)
+        in_range("model.init_temperature", self.init_temperature, gt=0)
 
 
 @dataclass
@@ -300,16 +306,12 @@ class OptimConfig:
     """Clip the total gradient norm to this (0 = no clipping; the norm is still measured)."""
 
     def __post_init__(self) -> None:
-        check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
-        check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        check(self.decay_steps >= 0, f"optim.decay_steps must be >= 0, got {self.decay_steps}")
-        check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
-
-
-def _positive(name: str, value: int) -> None:
-    check(value >= 1, f"{name} must be >= 1, got {value}")
+        in_range("optim.lr", self.lr, gt=0)
+        in_range("optim.weight_decay", self.weight_decay, ge=0)
+        in_range("optim.warmup_steps", self.warmup_steps, ge=0)
+        in_range("optim.decay_steps", self.decay_steps, ge=0)
+        in_range("optim.min_lr_ratio", self.min_lr_ratio, ge=0, le=1)
+        in_range("optim.grad_clip", self.grad_clip, ge=0)
 
 
 @dataclass
@@ -352,7 +354,7 @@ def build_section(cls: type, data: Any, section: str) -> Any:
         raise ConfigError(f"{section} must be a mapping of settings, got {type(data).__name__} {data!r}")
     data = dict(data)
     for f in fields(cls):
-        nested = f.default_factory if callable(f.default_factory) else None  # type: ignore[misc]
+        nested = f.default_factory if callable(f.default_factory) else None
         if f.name in data and is_dataclass(nested):
             data[f.name] = build_section(nested, data[f.name], f"{section}.{f.name}")
     try:

@@ -6,7 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.config import at_least, check_host, check_port
+from rankscope._checks import check_range
+from rankscope.config import check_host, check_port
 
 __all__ = ["ControlConfig", "load_token"]
 
@@ -101,30 +102,20 @@ class ControlConfig:
     def __post_init__(self) -> None:
         check_host("control.host", self.host)
         check_port("control.port", self.port)
-        at_least("control.max_body_bytes", self.max_body_bytes, 256)
-        at_least("control.max_pending", self.max_pending, 1)
-        at_least("control.recent_actions", self.recent_actions, 1)
-        at_least("control.check_every_n_steps", self.check_every_n_steps, 1)
-        at_least("control.lr_cooldown_steps", self.lr_cooldown_steps, 0)
-        at_least("control.lr_max_reductions", self.lr_max_reductions, 0)
-        at_least("control.checkpoint_cooldown_steps", self.checkpoint_cooldown_steps, 0)
+        minimums = {"max_body_bytes": 256, "max_pending": 1, "recent_actions": 1, "check_every_n_steps": 1,
+                    "lr_cooldown_steps": 0, "lr_max_reductions": 0, "checkpoint_cooldown_steps": 0}  # fmt: skip
+        for name, low in minimums.items():
+            check_range(f"control.{name}", getattr(self, name), ge=low, integer=True)
         for name in ("rollback_margin_batches", "rollback_cooldown_steps", "rollback_max",
                      "micro_batch_cooldown_steps", "micro_batch_max_reductions", "restart_max"):  # fmt: skip
-            at_least(f"control.{name}", getattr(self, name), 0)
-        if not 0.0 < self.pause_heartbeat_seconds <= 10.0:
-            raise ValueError(
-                f"control.pause_heartbeat_seconds must be in (0, 10], got {self.pause_heartbeat_seconds!r}"
-            )
-        if not 0.0 < self.lr_factor < 1.0:
-            raise ValueError(f"control.lr_factor must be between 0 and 1 (exclusive), got {self.lr_factor!r}")
-        if not 0.0 < self.lr_floor_ratio < 1.0:
-            raise ValueError(f"control.lr_floor_ratio must be between 0 and 1 (exclusive), got {self.lr_floor_ratio!r}")
+            check_range(f"control.{name}", getattr(self, name), ge=0, integer=True)
+        check_range("control.pause_heartbeat_seconds", self.pause_heartbeat_seconds, gt=0, le=10)
+        check_range("control.lr_factor", self.lr_factor, gt=0, lt=1)
+        check_range("control.lr_floor_ratio", self.lr_floor_ratio, gt=0, lt=1)
         for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds",
                      "rollback_cooldown_seconds", "micro_batch_cooldown_seconds",
                      "restart_cooldown_seconds"):  # fmt: skip
-            value = getattr(self, name)
-            if not value >= 0.0:  # also catches NaN
-                raise ValueError(f"control.{name} must be >= 0, got {value!r}")
+            check_range(f"control.{name}", getattr(self, name), ge=0)
         if self.token_env and not self.token_env.replace("_", "").isalnum():
             raise ValueError(f"control.token_env must be an environment variable name, got {self.token_env!r}")
 
