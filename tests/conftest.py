@@ -37,18 +37,11 @@ def control_job(tmp_path_factory):
     (a tests.jobs.control_job.ControlJob); every job started is ended at the module's teardown."""
     from tests.jobs.control_job import ControlJob
 
-    jobs = []
-
     def start(control: dict | None = None, pg_timeout: float = 3.0) -> ControlJob:
-        job = ControlJob(
-            tmp_path_factory.mktemp("control_job"), support.free_port(), support.free_port(), control, pg_timeout
-        )
-        jobs.append(job)
-        return job
+        out = tmp_path_factory.mktemp("control_job")
+        return ControlJob(out, support.free_port(), support.free_port(), control, pg_timeout)
 
-    yield start
-    for job in jobs:
-        job.close()
+    yield from support.closing_starter(start)
 
 
 @pytest.fixture
@@ -101,18 +94,11 @@ def trainer_job(tmp_path_factory):
     tests.jobs.trainer_job.TrainerJob); every job started is ended at the module's teardown."""
     from devstack.jobs import TrainerJob
 
-    jobs = []
-
     def start(name: str, settings=(), **kwargs) -> TrainerJob:
-        job = TrainerJob(
-            tmp_path_factory.mktemp(name), support.free_port(), support.free_port_block(2), settings, **kwargs
-        )
-        jobs.append(job)
-        return job
+        out = tmp_path_factory.mktemp(name)
+        return TrainerJob(out, support.free_port(), support.free_port_block(2), settings, **kwargs)
 
-    yield start
-    for job in jobs:
-        job.close()
+    yield from support.closing_starter(start)
 
 
 @pytest.fixture

@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from devstack.jobs import REPO, fetch, sample_value, samples, stop_process, tail, torchrun, wait_for
 from devstack.monitoring import INSTALL_HINT, Server, start_alertmanager, start_prometheus, unix_time
 from devstack.ports import free_port, free_port_block
 from devstack.processes import Children, StackError, find_binary
+
+J = TypeVar("J")
 
 __all__ = [
     "REPO",
@@ -29,6 +31,7 @@ __all__ = [
     "Server",
     "WebhookSink",
     "binary",
+    "closing_starter",
     "contract_families",
     "contract_violations",
     "fetch",
@@ -46,6 +49,20 @@ __all__ = [
     "unix_time",
     "wait_for",
 ]
+
+
+def closing_starter(make: Callable[..., J]) -> Iterator[Callable[..., J]]:
+    """The body of a fixture that hands out a starter: yields `make`, remembering everything it started,
+    and closes each at teardown (`yield from closing_starter(make)`)."""
+    started: list[J] = []
+
+    def start(*args: Any, **kwargs: Any) -> J:
+        started.append(make(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for thing in started:
+        thing.close()  # type: ignore[attr-defined]
 
 
 def promtool_problems(page: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.control_job import ControlClient
+from tests.jobs.common import ControlClient
 from tests.support import REPO, fetch, free_port, free_port_block, promtool_problems, sample_value, samples
 
 pytestmark = pytest.mark.integration

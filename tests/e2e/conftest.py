@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.e2e.harness import LATENCIES, Stack
-from tests.support import free_port_block
+from tests.support import closing_starter, free_port_block
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -49,12 +49,4 @@ def stack(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[[str], 
 @pytest.fixture(scope="module")
 def module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Stack]]:
     """Like `stack`, for a run that several tests of a module look at; stopped at the module's end."""
-    started: list[Stack] = []
-
-    def start(name: str) -> Stack:
-        started.append(Stack(tmp_path_factory.mktemp(name), name, free_port_block))
-        return started[-1]
-
-    yield start
-    for running in started:
-        running.close()
+    yield from closing_starter(lambda name: Stack(tmp_path_factory.mktemp(name), name, free_port_block))

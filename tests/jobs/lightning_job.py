@@ -16,15 +16,13 @@ Checkpoints go to DIR/checkpoints. Tests use :class:`LightningJob` to start it a
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.jobs.control_job import ControlClient
+from tests.jobs.common import ControlClient, job_parser, write_ready
 from tests.support import tail
 
 # --- the job (runs under torchrun) ------------------------------------------------------
@@ -43,8 +41,7 @@ def _job_log_callback(out: Path, rank: int, rankscope: Any, step_seconds: float,
             self.lines = open(out / f"rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in on_train_end
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            ready = {"pid": os.getpid(), "control_url": rankscope.control_url, "metrics_port": rankscope.monitor.port}
-            (out / f"rank{rank}.ready.json").write_text(json.dumps(ready))
+            write_ready(out, rank, rankscope.control_url, rankscope.monitor.port)
             # Training runs (rankscope's control group exists): the training group's timeout, low on purpose.
             dist.set_timeout(timedelta(seconds=pg_timeout))
 
@@ -76,13 +73,7 @@ def _main(argv: list[str]) -> int:
 
     from examples.lightning_example import Regression, build_trainer, make_loader
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--control", default="{}", help="JSON mapping of ControlConfig settings")
-    parser.add_argument("--max-steps", type=int, default=100_000)
-    parser.add_argument("--step-seconds", type=float, default=0.02)
-    parser.add_argument("--pg-timeout", type=float, default=4.0, help="training group timeout after start-up")
-    args = parser.parse_args(argv)
+    args = job_parser().parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -115,9 +106,7 @@ class LightningJob(ControlClient):
 
     def __init__(self, out: Path, control_port: int, master_port: int, pg_timeout: float = 4.0) -> None:
         super().__init__(out, control_port, "lightning-test")
-        settings = {"port": control_port, "token_file": str(self.token_file), "pause_heartbeat_seconds": 0.5}
-        target = ["tests/jobs/lightning_job.py", "--out", str(out), "--control", json.dumps(settings)]
-        self.start([*target, "--pg-timeout", str(pg_timeout)], master_port)
+        self.start_job("tests/jobs/lightning_job.py", master_port, None, pg_timeout)
 
     def step_lines(self, rank: int) -> list[dict[str, Any]]:
         """The rank's per-optimizer-step lines, in order."""
