@@ -151,7 +151,7 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # rank 0 alone writes here; the umask applies
     try:
         with open(tmp, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
+            np.savez_compressed(handle, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -282,9 +282,9 @@ class Checkpointer:
         if resume == "none":
             return None
         if resume != "auto":
-            state = read_checkpoint(resume)
-            self._continue(state)
-            return Path(resume), state
+            given = read_checkpoint(resume)
+            self._continue(given)
+            return Path(resume), given
         chosen: str | None = None
         state: dict[str, Any] | None = None
         if self.runtime.is_main:

@@ -336,11 +336,11 @@ class Batch:
         return int(self.lengths.sum())
 
     def to(self, device: torch.device) -> Batch:
-        move = {"non_blocking": device.type == "cuda"}
+        non_blocking = device.type == "cuda"
         return Batch(
-            self.images.to(device, **move),
-            self.input_ids.to(device, **move),
-            self.attention_mask.to(device, **move),
+            self.images.to(device, non_blocking=non_blocking),
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.attention_mask.to(device, non_blocking=non_blocking),
             self.lengths,
             self.sizes,
             self.bad,
@@ -470,7 +470,7 @@ def build_data(
             generator=torch.Generator().manual_seed(seed),
         )
 
-    val_sampler = DistributedSampler(val, num_replicas=world_size, rank=rank, shuffle=False)
+    val_sampler: DistributedSampler = DistributedSampler(val, num_replicas=world_size, rank=rank, shuffle=False)
     val_loader = DataLoader(
         val,
         batch_size=cfg.val_batch_size,

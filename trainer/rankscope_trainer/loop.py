@@ -277,6 +277,7 @@ class Trainer:
         record_accuracy(self.monitor, accuracy, split="train")
         self.log.record_step(self.step, loss, accuracy, lr)
         if stats_due:
+            assert attention is not None  # a step with stats due records the first micro-batch's attention
             record_batch_stats(self.monitor, micro_batches[0], on_device[0].images)
             record_model_stats(self.monitor, self.model.module, on_device[0], attention.value())
 
@@ -594,7 +595,8 @@ class Trainer:
 
     def close(self) -> None:
         """Stop serving and leave the process group (local: no collectives)."""
-        if getattr(self, "channel", None) is not None:
-            self.channel.close()
+        channel = getattr(self, "channel", None)  # None when start-up failed before it existed
+        if channel is not None:
+            channel.close()
         self.monitor.close()
         self.rt.close()

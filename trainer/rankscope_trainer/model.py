@@ -89,7 +89,7 @@ class DualEncoder(nn.Module):
         super().__init__()
         self.image_encoder, image_features = _image_encoder(cfg)
         self.text_encoder = BertModel(
-            BertConfig(
+            BertConfig(  # type: ignore[call-arg]  # attn_implementation: a PretrainedConfig kwarg the stub omits
                 vocab_size=vocab_size,
                 hidden_size=cfg.text_hidden,
                 num_hidden_layers=cfg.text_layers,
@@ -141,7 +141,7 @@ class DualEncoder(nn.Module):
         forward's maps are not distributions (attention dropout while training) nothing is recorded
         and `value()` is None: measure with `text_attentions` (an eval-mode pass) instead.
         """
-        layers = self.text_encoder.encoder.layer
+        layers: Any = self.text_encoder.encoder.layer  # BertLayer modules (typed as plain Modules)
         record = AttentionEntropyRecord(len(layers))
         if self.training and self.text_encoder.config.attention_probs_dropout_prob > 0:
             yield record

@@ -122,10 +122,10 @@ def seed_everything(seed: int) -> None:
 
 def get_rng_state() -> dict[str, Any]:
     """This process's RNG states in types `torch.load(weights_only=True)` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # the tuple form (the default)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

@@ -20,6 +20,7 @@ import math
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal, overload
 
 import matplotlib
 import numpy as np
@@ -78,7 +79,7 @@ ACTION_COLORS = {
 LOSS_PANEL_LABELS = frozenset({"rollback"})
 FIRING = "#d62828"
 PENDING = "#f4a261"
-_STYLE = {
+_STYLE: Any = {  # matplotlib's stub wants its literal rc names as keys
     "font.size": 9,
     "axes.titlesize": 10,
     "axes.titleweight": "bold",
@@ -125,7 +126,7 @@ def png_bytes(figure: Figure) -> bytes:
 # --- colours -------------------------------------------------------------------------------------
 
 
-def rank_colors(ranks: Iterable[int]) -> dict[int, tuple[float, float, float, float]]:
+def rank_colors(ranks: Iterable[int]) -> dict[int | None, tuple[float, float, float, float]]:
     """One colour per rank, the same in every figure: tab10/tab20 for small runs, a sweep of hues beyond."""
     ranks = sorted(set(ranks))
     world = max(ranks, default=0) + 1
@@ -164,6 +165,10 @@ class TimeAxis:
     def span(self) -> float:
         return max(self.end - self.start, 1.0)
 
+    @overload
+    def x(self, t: np.ndarray) -> np.ndarray: ...
+    @overload
+    def x(self, t: float) -> float: ...
     def x(self, t: np.ndarray | float) -> np.ndarray | float:
         return np.asarray(t, dtype=float) - self.start if isinstance(t, np.ndarray) else float(t) - self.start
 
@@ -182,11 +187,11 @@ class TimeAxis:
 class _ScaledLocator(ticker.MaxNLocator):
     """Nice ticks in a display unit (e.g. GiB), placed in the base unit (bytes)."""
 
-    def __init__(self, scale: float, nbins: int | str = "auto") -> None:
+    def __init__(self, scale: float, nbins: int | Literal["auto"] = "auto") -> None:
         super().__init__(nbins=nbins, steps=[1, 2, 2.5, 5, 10])
         self.scale = scale
 
-    def tick_values(self, vmin: float, vmax: float) -> np.ndarray:
+    def tick_values(self, vmin: float, vmax: float) -> np.ndarray:  # type: ignore[override]  # as MaxNLocator's
         return np.asarray(super().tick_values(vmin / self.scale, vmax / self.scale)) * self.scale
 
 
@@ -447,7 +452,7 @@ def rank_timings_figure(
     return figure
 
 
-def _rank_colorbar(figure: Figure, axes: object, colors: dict) -> None:
+def _rank_colorbar(figure: Figure, axes: Any, colors: dict) -> None:
     ranks = sorted(colors)
     cmap = mcolors.ListedColormap([colors[r] for r in ranks])
     norm = mcolors.BoundaryNorm(np.arange(len(ranks) + 1) - 0.5, len(ranks))
@@ -496,7 +501,7 @@ def rank_small_multiples_figure(
             continue
         s = ranked[index]
         axis.plot(axis_x.x(times), median, color="#aaaaaa", lw=0.8)
-        axis.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=0.9 if small else 1.1)  # type: ignore[index]
+        axis.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=0.9 if small else 1.1)
         axis.grid(False)
         axis.set_title(f"rank {s.rank}", fontsize=6.5 if small else 8, loc="left", pad=1.5,
                        color=FIRING if s.rank == slow else "#333333",
@@ -872,7 +877,7 @@ def summary_figure(
     if straggler is not None and straggler.stands_out:
         for s in ranked:
             if s.rank == straggler.rank:
-                ranks.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=2.6)  # type: ignore[index]
+                ranks.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=2.6)
         ranks.set_title(f"Compute time per rank: rank {straggler.rank} is the straggler "
                         f"({straggler.ratio:.2f}x the other ranks' median)", loc="left")  # fmt: skip
     else:
