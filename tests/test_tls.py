@@ -223,3 +223,20 @@ def test_a_plain_endpoint_beyond_loopback_warns_once_per_process(caplog):
         server.close()
     lines = [r.getMessage() for r in caplog.records if "plain HTTP without authentication" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0]
+
+
+def test_rankscope_ctl_reaches_an_mtls_endpoint_with_its_ca_cert_and_key(certs, tmp_path, monkeypatch, capsys):
+    from rankscope.cli import main
+
+    web = load_web_config(write_web_config(certs, tmp_path / "web.yml"))
+    server = serve_control(create_app(AppDeps(ActionQueue(), RunSnapshot(), TOKEN)), "127.0.0.1", 0, web=web)
+    monkeypatch.setenv("RANKSCOPE_CONTROL_TOKEN", TOKEN)
+    try:
+        assert main(["--url", server.url, "--ca", str(certs.ca), "status"]) == 1  # no client certificate
+        capsys.readouterr()
+        monkeypatch.setenv("RANKSCOPE_CONTROL_CERT", str(certs.client_cert()))
+        monkeypatch.setenv("RANKSCOPE_CONTROL_KEY", str(certs.client_key()))
+        assert main(["--url", server.url, "--ca", str(certs.ca), "status"]) == 0
+        assert json.loads(capsys.readouterr().out)["run_id"] == "local"
+    finally:
+        server.close()

@@ -8,7 +8,8 @@
 
 The token comes from --token-file, else from the environment variable named by
 --token-env (default RANKSCOPE_CONTROL_TOKEN); the URL from --url, else
-RANKSCOPE_CONTROL_URL, else http://127.0.0.1:9300. Exit status: 0 done
+RANKSCOPE_CONTROL_URL, else http://127.0.0.1:9300. Over https, --ca/--cert/--key
+(or RANKSCOPE_CONTROL_CA/_CERT/_KEY) name the CA to trust and the client certificate to present. Exit status: 0 done
 (accepted, or with --wait applied), 1 refused or failed, 2 bad usage.
 """
 
@@ -27,6 +28,7 @@ import requests
 
 from rankscope._requests import request_failure
 from rankscope.control.catalog import CATALOG, Parameter
+from rankscope.control.client import ClientTls, session_for
 from rankscope.control.config import DEFAULT_TOKEN_ENV, ControlConfig, load_token
 from rankscope.control.stacks import format_ranks
 
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"environment variable holding the token (default {DEFAULT_TOKEN_ENV})",
     )
     parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per HTTP request (default 10)")
+    parser.add_argument("--ca", default="", help="CA of the endpoint's certificate (default $RANKSCOPE_CONTROL_CA)")
+    parser.add_argument("--cert", default="", help="client certificate to present (default $RANKSCOPE_CONTROL_CERT)")
+    parser.add_argument("--key", default="", help="the client certificate's key (default $RANKSCOPE_CONTROL_KEY)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.add_parser("status", help="print the run's status as JSON")
     commands.add_parser("health", help="check that the endpoint answers")
@@ -125,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    client = _Client(args.url, args.timeout, _token(args))
+    client = _Client(args.url, args.timeout, _token(args), _tls(args))
     if args.command == "health":
         client.call("GET", "/healthz")
         print(f"{client.base}: ok")
@@ -171,6 +176,13 @@ def _token(args: argparse.Namespace) -> str | None:
         ) from None
 
 
+def _tls(args: argparse.Namespace) -> ClientTls:
+    try:
+        return ClientTls.from_env(ca=args.ca, cert=args.cert, key=args.key)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def _wait_for(client: _Client, action_id: str, seconds: float) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     while True:
@@ -184,17 +196,17 @@ def _wait_for(client: _Client, action_id: str, seconds: float) -> dict[str, Any]
 
 
 class _Client:
-    def __init__(self, base: str, timeout: float, token: str | None) -> None:
+    def __init__(self, base: str, timeout: float, token: str | None, tls: ClientTls | None = None) -> None:
         if not base.startswith(("http://", "https://")):
             raise CliError(f"--url must start with http:// or https://, got {base!r}")
         self.base = base.rstrip("/")
         self._timeout = timeout
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = session_for(tls or ClientTls(), token)  # --ca/--cert/--key over https
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         url = self.base + path
         try:
-            response = requests.request(method, url, json=body, headers=self._headers, timeout=self._timeout)
+            response = self._session.request(method, url, json=body, timeout=self._timeout)
         except requests.RequestException as exc:
             hint = "is the job running, and is this its control port?"
             raise CliError(request_failure(exc, self.base, self._timeout, unreachable=hint)) from None
