@@ -7,6 +7,7 @@ Public API (everything else is private to the package):
 - :class:`RankIdentity` - run id, rank, local rank and node, from torchrun's environment.
 - :data:`METRICS`, :func:`metric`, :class:`MetricSpec` - the metric contract.
 - :class:`MetricsPortInUse` - raised when a rank's metrics port is taken.
+- :func:`enable_collective_view` - make sure torch's Flight Recorder records collectives (before init_process_group).
 - :func:`set_log_level` - how much rankscope prints to stderr ("off" silences it; or RANKSCOPE_LOG_LEVEL).
 """
 
@@ -18,6 +19,7 @@ from rankscope._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # for type checkers; at run time each name is imported on first use (no torch for the CLI)
     from rankscope._log import set_log_level
+    from rankscope.collectives import enable_collective_view
     from rankscope.config import MonitorConfig, config_from_mapping
     from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec, metric
     from rankscope.identity import RankIdentity
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
 
 _WHERE = {
     "set_log_level": "._log",
+    "enable_collective_view": ".collectives",
     "MonitorConfig": ".config",
     "config_from_mapping": ".config",
     "IDENTITY_LABELS": ".contract",
@@ -56,6 +59,7 @@ __all__ = [
     "StepContext",
     "config_from_mapping",
     "create_monitor",
+    "enable_collective_view",
     "metric",
     "set_log_level",
     "write_file_sd",

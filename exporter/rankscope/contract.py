@@ -34,6 +34,7 @@ __all__ = [
     "METRICS",
     "MetricKind",
     "MetricSpec",
+    "PHASES",
     "PREFIX",
     "STEP_TIME_BUCKETS",
     "UNIT_SUFFIXES",
@@ -60,6 +61,14 @@ DATA_WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 2.5)
 #: Nothing reads a checkpoint's duration quantiles: two lines to tell a slow one from a very slow one.
 CHECKPOINT_BUCKETS: tuple[float, ...] = (10.0, 60.0)
 # fmt: on
+
+#: What a rank is doing (rankscope_phase's value is the index; rankscope.progress): the training thread
+#: sets it, the metrics thread serves it, so a blocked rank still answers. Append only: dashboards and the
+#: hang rule read the indices.
+PHASES: tuple[str, ...] = (
+    "idle", "step_boundary", "data_wait", "compute", "collective", "checkpoint", "validation", "paused",
+)  # fmt: skip
+_PHASE_HELP = ", ".join(f"{index}={name}" for index, name in enumerate(PHASES))
 
 
 class MetricKind(str, Enum):
@@ -381,6 +390,38 @@ _SPECS: tuple[MetricSpec, ...] = (
         "Training steps lost to control restarts: those completed after the newest checkpoint when the group "
         "exited, counted on rank 0 by the incarnation that trained again.",
         source="control",
+    ),
+    # --- collectives and progress (rankscope.collectives, rankscope.progress; docs/collectives.md) ----------
+    _m(
+        "collective_seconds_total",
+        _C,
+        "Seconds this rank spent in collectives (issue to completion), by kind and mesh dimension, every "
+        "process group (torch's Flight Recorder sees them all; timed by per-group hooks on gloo, by FR's "
+        "durations on NCCL).",
+        labels=("kind", "dim"),
+        source="collectives",
+    ),
+    _m(
+        "collectives_total",
+        _C,
+        "Collectives started by this rank, by mesh dimension (from torch's Flight Recorder): a rank whose "
+        "count lags its peers' has not entered the collective they wait in.",
+        labels=("dim",),
+        source="collectives",
+    ),
+    _m(
+        "phase",
+        _G,
+        f"What this rank is doing now, as an index into rankscope.contract.PHASES: {_PHASE_HELP}. Served by the "
+        "metrics thread, so a blocked training thread cannot freeze it.",
+        source="progress",
+    ),
+    _m(
+        "phase_started_timestamp_seconds",
+        _G,
+        "Unix time at which this rank entered its current phase (rankscope_phase).",
+        unit="seconds",
+        source="progress",
     ),
 )
 

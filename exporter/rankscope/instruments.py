@@ -57,8 +57,8 @@ class Instruments:
     ) -> None:
         """`specs`: which contract metrics (default: all but the scrape-time probes); `extra`: metrics of
         the loop's own, declared as MetricSpec (same conventions, checked when each spec is built)."""
-        # Probes and the goodput ledger are exposed by collectors of their own, computed at scrape time.
-        scraped = ("probe", "goodput")
+        # Probes, the goodput ledger, collectives and progress have collectors of their own, run at scrape time.
+        scraped = ("probe", "goodput", "collectives", "progress")
         chosen = list(specs if specs is not None else (s for s in METRICS.values() if s.source not in scraped))
         for spec in extra:
             if not isinstance(spec, MetricSpec):

@@ -34,7 +34,8 @@ from prometheus_client import CollectorRegistry
 
 from rankscope import contract
 from rankscope._log import LogOnce
-from rankscope.comm import CommTimer, events_seconds
+from rankscope.collectives import CollectiveView, enable_collective_view
+from rankscope.comm import CommTimer, events_seconds, interval_union
 from rankscope.config import MonitorConfig
 from rankscope.contract import PREFIX, MetricSpec
 from rankscope.deferred import DeferredValues, plain_tensor
@@ -45,6 +46,7 @@ from rankscope.identity import RankIdentity
 from rankscope.instruments import Instruments, observe_all
 from rankscope.modules import ModuleStats
 from rankscope.probes import Probe, ProbeCollector, default_probes
+from rankscope.progress import PHASE_INDEX, CollectivesCollector, ProgressTracker
 from rankscope.serving.exposition import state_changed
 from rankscope.serving.metrics_endpoint import MetricsServer, serve_metrics
 from rankscope.serving.webconfig import web_config_for
@@ -128,6 +130,12 @@ class Monitor:
         for probe in chosen:
             self.instruments.child(PREFIX + "monitor_errors_total", probe=probe.name)
         self.registry.register(ProbeCollector(chosen, self.identity.labels(), self.record_error))
+        # What this rank is doing and every collective it takes part in, served by the metrics thread.
+        self.progress = ProgressTracker()
+        self.collectives = self._start_collectives()
+        progress = CollectivesCollector(self.progress, self.collectives, self.identity.labels())
+        progress._on_error = lambda exc: self._fail("collectives", exc)
+        self.registry.register(progress)
         self._set_run_info()
         self.goodput: GoodputLedger | None = None
         self._goodput_flusher: GoodputFlusher | None = None
@@ -228,6 +236,13 @@ class Monitor:
         register(None, self._comm.hook)
         self._comm.attached = True
 
+    def watch_mesh(self, mesh: Any) -> None:
+        """Label collectives by the DeviceMesh dimension they run over (`dim`: data, tensor, pipeline,
+        context, other; from the mesh's dim names, e.g. dp_shard -> data, tp -> tensor). Without it, the
+        default group's collectives are `data` and other groups' `other`."""
+        if self.collectives is not None:
+            self.collectives.watch_mesh(mesh)
+
     # --- the loop ----------------------------------------------------------------
 
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -235,6 +250,7 @@ class Monitor:
         iterator = iter(iterable)
         while True:
             started = time.perf_counter()
+            self.progress.set(_DATA_WAIT)
             try:
                 item = next(iterator)
             except StopIteration:
@@ -279,10 +295,12 @@ class Monitor:
             self._modules.begin_step(context.index)
         self._step_memory_call(lambda memory: memory.begin())
         self._in_step = True
+        self.progress.begin_step()
         try:
             yield context
         finally:
             self._in_step = False
+            self.progress.set(_STEP_BOUNDARY)  # until the next fetch: the loop's own end-of-step work, control
             if self._flops.measuring:
                 self._flops_call(self._flops.end)
         # Only a block that completed counts as a step; an exception propagates untouched.
@@ -342,7 +360,8 @@ class Monitor:
             ledger.enter(name)
         saved = False
         try:
-            yield
+            with self.progress.holding(name):  # rankscope_phase shows it, even while the block hangs
+                yield
             saved = name == "checkpoint"
         finally:
             if ledger is not None:
@@ -471,6 +490,10 @@ class Monitor:
             m["global_step"].set(context.index)
             m["last_step_timestamp_seconds"].set(time.time())
             comm_seconds, events = self._comm.take_step()
+            if self.collectives is not None:
+                intervals = self.collectives.take_step(time.perf_counter() - seconds)
+                if not self._comm.attached:  # the DDP hook, where attached, is the one source of this histogram
+                    comm_seconds = interval_union(intervals)
             if events:
                 self._pending_comm.append((seconds, data_wait, events))
             else:
@@ -526,8 +549,18 @@ class Monitor:
             self._fail("step_memory", exc)
             return None
 
+    def _start_collectives(self) -> CollectiveView | None:
+        """The collective view, on when torch's Flight Recorder records (said once, with why, when not)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            enable_collective_view()  # early enough: the first process group will record
+        view = CollectiveView()
+        if not view.enabled:
+            logger.warning("rankscope: collective view off (no counts, no phase 'collective'): %s", view.why_off)
+            return None
+        return view
+
     def _observe_split(self, step_seconds: float, data_wait: float, comm_seconds: float) -> None:
-        if self._comm.attached:
+        if self._comm.attached or (self.collectives is not None and self.collectives.times_steps):
             self._metric["comm_duration_seconds"].observe(comm_seconds)
         self._metric["compute_duration_seconds"].observe(max(0.0, step_seconds - data_wait - comm_seconds))
 
@@ -628,3 +661,7 @@ def _scale_of(scaler: Any) -> Value:
     scale_async = getattr(scaler, "_get_scale_async", None)
     scale = scale_async() if callable(scale_async) else None
     return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
+
+
+_DATA_WAIT = PHASE_INDEX["data_wait"]
+_STEP_BOUNDARY = PHASE_INDEX["step_boundary"]

@@ -42,6 +42,9 @@ class NullMonitor:
     def attach_comm_hook(self, ddp_model: Any) -> None:
         return None
 
+    def watch_mesh(self, mesh: Any) -> None:
+        return None
+
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
         return iter(iterable)
 

@@ -1,0 +1,117 @@
+"""Every collective seen (issue 22 item 1): FSDP2's all-gathers and reduce-scatters under a real gloo group of
+2 processes, counted and timed by kind and mesh dimension from torch's Flight Recorder, read from the rank's own
+metrics page over HTTP; DDP's buckets timed once."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from rankscope.collectives import dim_of_mesh_name, kind_of
+
+from devstack.ports import free_port
+from tests.support import fetch, sample_value, samples
+
+pytestmark = pytest.mark.integration
+
+
+def test_op_names_map_to_bounded_kinds() -> None:
+    assert kind_of("gloo:all_gather") == "all_gather"
+    assert kind_of("nccl:_allgather_base") == "all_gather"
+    assert kind_of("gloo:reduce_scatter") == "reduce_scatter"
+    assert kind_of("nccl:reduce_scatter_tensor_coalesced") == "reduce_scatter"
+    assert kind_of("gloo:all_reduce") == "all_reduce"
+    assert kind_of("nccl:send 0->1") == "send_recv"
+    assert kind_of("HookOpName.BARRIER") == "barrier"
+    assert kind_of("gloo:alltoall") == "other"
+    assert [dim_of_mesh_name(n) for n in ("dp_shard", "tp", "pp", "cp", "ep2", None)] == [
+        "data", "tensor", "pipeline", "context", "other", "other",
+    ]  # fmt: skip
+
+
+def _spawn(worker: Any, world: int, *args: Any) -> list[dict[str, Any]]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    port = free_port()
+    mp.spawn(worker, args=(world, port, queue, *args), nprocs=world, join=True)
+    results = [queue.get() for _ in range(world)]
+    failures = [r["error"] for r in results if "error" in r]
+    assert not failures, "\n".join(failures)
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), RANKSCOPE_RUN_ID="collectives",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+
+
+def _monitor() -> Any:
+    from rankscope import Monitor, MonitorConfig
+
+    monitor = Monitor(MonitorConfig(base_port=0, page_cache_seconds=0, goodput=False, probes=()))
+    monitor.start()
+    return monitor
+
+
+def _page(monitor: Any) -> str:
+    return fetch(f"http://127.0.0.1:{monitor.port}/metrics")
+
+
+def _fsdp_worker(rank: int, world: int, port: int, queue: Any, steps: int) -> None:
+    try:
+        _init(rank, world, port)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        monitor = _monitor()  # before init_process_group: it makes sure the Flight Recorder records
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        monitor.watch_mesh(mesh)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in monitor.data(range(steps)):
+            with monitor.step():
+                model(torch.randn(8, 32)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        page = _page(monitor)
+        dist.barrier()
+        monitor.close()
+        dist.destroy_process_group()
+        queue.put({"rank": rank, "page": page})
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def _value(page: str, name: str, **labels: str) -> float | None:
+    return sample_value(samples(page), name, **labels)
+
+
+def test_fsdp2_all_gathers_and_reduce_scatters_are_counted_and_timed_as_data_parallel() -> None:
+    steps = 4
+    for result in _spawn(_fsdp_worker, 2, steps):
+        page = result["page"]
+        # gloo's reduce-scatter is an all-reduce inside torch whose Work reports no completion: counted, not
+        # timed (docs/collectives.md); the all-gathers are timed.
+        seconds = _value(page, "rankscope_collective_seconds_total", kind="all_gather", dim="data")
+        assert seconds is not None and seconds > 0, f"rank {result['rank']}: no all-gather time\n{page}"
+        started = _value(page, "rankscope_collectives_total", dim="data")
+        # 4 FSDP units, each step: an all-gather in forward, most again in backward, a reduce-scatter each.
+        assert started is not None and started >= steps * 4 * 2, page
+        comm = _value(page, "rankscope_comm_duration_seconds_count")
+        assert comm == steps, f"the comm histogram is fed once per step from the view\n{page}"
+        comm_sum = _value(page, "rankscope_comm_duration_seconds_sum")
+        step_sum = _value(page, "rankscope_step_duration_seconds_sum")
+        assert 0 < comm_sum < step_sum
+        assert _value(page, "rankscope_phase") is not None
