@@ -224,7 +224,7 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, _NotInstalled())
 """
-#: The extras' packages (and PyYAML, which the core does not need).
+#: The extras' packages, and PyYAML: the core imports it only to read a web config file it is given.
 EXTRAS_ONLY = ["transformers", "accelerate", "torchvision", "PIL", "lightning", "matplotlib", "yaml"]
 
 
