@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from rankscope._log import LogOnce
@@ -34,6 +34,7 @@ class CallbackParts:
         self.channel: Any = None
         """The control channel while training runs (None without `control`)."""
         self._log = LogOnce()
+        self._phase_scope = ExitStack()  # the open Monitor.phase (validation, checkpoint), if any
 
     @property
     def control_url(self) -> str | None:
@@ -47,6 +48,21 @@ class CallbackParts:
             self.channel = None
         if self.monitor is not None:
             self.monitor.close()
+
+    def _enter_phase(self, name: str) -> None:
+        """The framework is about to validate or checkpoint: the goodput counts the time in that bucket
+        until `_leave_phase()` (or the next phase)."""
+        self._leave_phase()
+        if self.monitor is not None:
+            with self._guard():
+                self._phase_scope.enter_context(self.monitor.phase(name))
+                self._phase_open = True
+
+    def _leave_phase(self) -> None:
+        if getattr(self, "_phase_open", False):  # cheap when none is open: called on every batch
+            self._phase_open = False
+            with self._guard():
+                self._phase_scope.close()
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

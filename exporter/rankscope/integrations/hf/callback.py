@@ -252,6 +252,11 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
             actions = _TrainerActions(control, self, args, state)
             self.channel.at_step_boundary(state.global_step, actions)
             self._save_reason = actions.save_reason or self._save_reason
+        # The Trainer evaluates, then saves, right after this event: the goodput's validation and checkpoint.
+        if control.should_evaluate:
+            self._enter_phase("validation")
+        elif control.should_save:
+            self._enter_phase("checkpoint")
         self._mark = time.perf_counter()
         return control
 
@@ -272,6 +277,10 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
         self._mark = time.perf_counter()
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if control.should_save:
+            self._enter_phase("checkpoint")
+        else:
+            self._leave_phase()
         self._mark = time.perf_counter()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -280,6 +289,7 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
         reason = self._save_reason or ("final" if state.global_step >= state.max_steps else "interval")
         self._save_reason = None
         self._saves += 1
+        self._leave_phase()  # marks the saved step: a later resume or rollback to it loses only what came after
         with self._guard():
             if self._recovery is not None:
                 self._recovery.saved(args, state)  # the checkpoint's data position, for rollbacks and resumes
@@ -292,6 +302,7 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
     ) -> None:
         self._step_scope.close()
         self._step = None
+        self._leave_phase()
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -6,7 +6,10 @@
     trainer.fit(model, train_loader)
 
 Every process of a `torchrun` job (or of Lightning's own launcher) serves its
-own /metrics on base_port + local_rank, labelled with its own rank. Importing
+own /metrics on base_port + local_rank, labelled with its own rank: the identity
+(rank, local_rank, world_size, node_rank) is the trainer's, not the
+environment's, since Lightning's launcher sets no RANK for the processes it
+starts. Importing
 this module imports `lightning.pytorch` (or, without it, the standalone
 `pytorch_lightning`); `import exporter` alone never does.
 
@@ -87,8 +90,10 @@ except ImportError:  # the standalone package has the same API
         ) from None
 
 from rankscope import create_monitor
+from rankscope._log import set_log_rank
 from rankscope.config import MonitorConfig
 from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
+from rankscope.identity import RankIdentity
 from rankscope.integrations.common import CallbackParts, setup_hash
 from rankscope.monitor import StepContext
 
@@ -186,7 +191,9 @@ class RankscopeCallback(CallbackParts, pl.Callback):
                 model_name=self.metrics.model_name or type(pl_module).__name__,
                 config_hash=self.metrics.config_hash or config_hash(trainer, pl_module),
             )
-            self.monitor = create_monitor(config, device=trainer.strategy.root_device)
+            # Lightning knows who this process is; its own launcher sets no RANK for the processes it starts.
+            set_log_rank(trainer.global_rank)
+            self.monitor = create_monitor(config, device=trainer.strategy.root_device, identity=_identity_of(trainer))
             self.monitor.start()
             # Error counters exist at 0 from the first scrape, so increase() sees the first failure.
             for probe in (self._probe, "comm_hook"):
@@ -212,6 +219,7 @@ class RankscopeCallback(CallbackParts, pl.Callback):
     ) -> None:
         if self.monitor is None:
             return
+        self._leave_phase()  # a checkpoint written after the last batch ended before this one
         with self._guard():
             if self._step is None:  # the first micro-batch of an optimizer step
                 if self._mark is not None:
@@ -253,7 +261,16 @@ class RankscopeCallback(CallbackParts, pl.Callback):
                 self.channel.at_step_boundary(trainer.global_step, _LightningActions(self, trainer))
         self._mark = time.perf_counter()
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._enter_phase("validation")  # the goodput's validation bucket, until on_validation_end
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # Lightning calls this while it builds the checkpoint, before writing it, and has no hook after the
+        # write: the checkpoint bucket runs until the next batch (or validation, or the end).
+        self._enter_phase("checkpoint")
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave_phase()
         if self.monitor is None or trainer.sanity_checking:
             return
         with self._guard():
@@ -264,6 +281,7 @@ class RankscopeCallback(CallbackParts, pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._discard_step()
+        self._leave_phase()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -362,6 +380,17 @@ def _check_can_stop(trainer: pl.Trainer) -> None:
         raise RuntimeError(f"Lightning will not stop before min_steps={loop.min_steps} (at {trainer.global_step})")
     if loop.min_epochs and trainer.current_epoch < loop.min_epochs:
         raise RuntimeError(f"Lightning will not stop before min_epochs={loop.min_epochs} (at {trainer.current_epoch})")
+
+
+def _identity_of(trainer: pl.Trainer) -> RankIdentity:
+    """This process's identity as the trainer has it (global, local and node rank, world size); the run id
+    and node name from the environment."""
+    return RankIdentity.from_env(
+        rank=trainer.global_rank,
+        local_rank=trainer.local_rank,
+        world_size=trainer.world_size,
+        node_rank=trainer.node_rank,
+    )
 
 
 def _scheduler_of(trainer: pl.Trainer, optimizer: Any) -> Any:
