@@ -56,10 +56,6 @@ class ProgressTracker:
         finally:
             self.state = self._held.pop()
 
-    def paused(self, on: bool) -> None:
-        """The control channel holds the loop (on) or lets it go (off: back to the step boundary)."""
-        self.state = (PHASE_INDEX["paused"] if on else PHASE_INDEX["step_boundary"], time.time())
-
     def current(self, view: CollectiveView | None) -> tuple[int, float]:
         """(phase index, since), as a scrape shows it."""
         index, since = self.state
