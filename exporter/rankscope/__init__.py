@@ -79,4 +79,4 @@ def create_monitor(config: MonitorConfig | None = None, **kwargs: Any) -> Monito
     from rankscope.null import NullMonitor
 
     config = config or MonitorConfig()
-    return Monitor(config, **kwargs) if config.enabled else NullMonitor()  # type: ignore[arg-type]
+    return Monitor(config, **kwargs) if config.enabled else NullMonitor()

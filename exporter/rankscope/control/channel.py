@@ -291,7 +291,7 @@ class ControlChannel:
         if not hasattr(dist, "set_timeout"):
             return dist.new_group(backend="gloo", timeout=timeout)
         group = dist.new_group(backend="gloo")
-        dist.set_timeout(timeout, group=group)
+        dist.set_timeout(timeout, group=group)  # type: ignore[arg-type]  # every rank is a member of it
         return group
 
     def _start_server(self, run_id: str) -> str:
@@ -379,6 +379,7 @@ class ControlChannel:
     def _initial_references(self) -> list[float]:
         """Each group's reference rate for the relative floor: its scheduler's initial rate if it has one."""
         peak = self._watch.peak if self._watch is not None else []
+        assert self._optimizer is not None, "reference rates are read only with an optimizer"
         groups = self._optimizer.param_groups
         return [max(_as_number(g.get("initial_lr", 0.0)), p) for g, p in zip(groups, peak, strict=False)]
 
@@ -394,7 +395,7 @@ class ControlChannel:
     def _exchange(self, step: int, handler: ControlHandler) -> list[str]:
         """One round: rank 0 decides, all ranks receive and apply, all agree on the outcome."""
         records = {record.id: record for record in self._decide(step)} if self.rank == 0 else {}
-        message = None
+        message: dict[str, Any] | None = None
         if self.rank == 0 and (records or self._awaiting):
             orders = [self._order(record, step) for record in records.values()]
             message = {"orders": orders, "awaiting": list(self._awaiting)}
