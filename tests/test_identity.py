@@ -36,3 +36,10 @@ def test_no_environment_means_a_single_local_rank():
 def test_bad_identity_fails_with_a_message_naming_the_problem(env, message):
     with pytest.raises(ValueError, match=message):
         RankIdentity.from_env(env, node="n")
+
+
+def test_the_node_rank_falls_back_to_lightnings_node_rank_and_can_be_given():
+    # Lightning's launcher sets NODE_RANK (not torchrun's GROUP_RANK); a framework's own ranks win.
+    assert RankIdentity.from_env({"NODE_RANK": "2", "WORLD_SIZE": "8"}).node_rank == 2
+    given = RankIdentity.from_env({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, rank=1, node_rank=0)
+    assert (given.rank, given.local_rank, given.node_rank) == (1, 1, 0)

@@ -4,6 +4,8 @@ examples/lightning_example.py."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -414,3 +416,33 @@ def test_stop_checkpoints_then_ends_training_on_both_ranks(ddp_job):
     assert torch.load(path, weights_only=False)["global_step"] == stopped_at
     applied = samples(job.final_page(0))
     assert sample_value(applied, "rankscope_control_actions_total", action="stop", result="applied") == 1
+
+
+@pytest.mark.integration
+def test_under_lightnings_own_launcher_each_rank_serves_its_own_identity(tmp_path):
+    """`python train.py` with Trainer(strategy="ddp", devices=2): Lightning starts rank 1 itself and sets
+    LOCAL_RANK and WORLD_SIZE but not RANK. The identity comes from the trainer: two ranks, two identities,
+    and each rank's log lines carry its own rank."""
+    log = tmp_path / "job.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    with open(log, "w") as out:
+        done = subprocess.run(
+            [sys.executable, "tests/jobs/lightning_launcher_job.py", "--out", str(tmp_path)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=240,
+        )
+    text = log.read_text()
+    assert done.returncode == 0, text[-4000:]
+    for rank in (0, 1):
+        identity = json.loads((tmp_path / f"rank{rank}.identity.json").read_text())
+        assert (identity["rank"], identity["local_rank"], identity["world_size"]) == (rank, rank, 2), identity
+        page = samples((tmp_path / f"rank{rank}.metrics.txt").read_text())
+        ranks = {dict(labels)["rank"] for (_, labels) in page if "rank" in dict(labels)}
+        assert ranks == {str(rank)}, (rank, ranks)
+        assert f"[rank {rank}] rankscope: rank {rank} metrics at" in text, text[-4000:]

@@ -55,3 +55,9 @@ def test_a_bad_level_is_named():
 
     with pytest.raises(ValueError, match="must be one of debug, info, warning, error, off, got 'loud'"):
         set_log_level("loud")
+
+
+def test_set_log_rank_changes_the_prefix_read_from_rank_at_import():
+    # Lightning's launcher sets no RANK: the callback sets the trainer's global rank.
+    err = _stderr("from rankscope._log import set_log_rank; set_log_rank(3)", RANK="0")
+    assert "[rank 3] rankscope: rank 0 metrics at" in err

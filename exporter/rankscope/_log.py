@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-__all__ = ["LogOnce", "set_log_level"]
+__all__ = ["LogOnce", "set_log_level", "set_log_rank"]
 
 logger = logging.getLogger("rankscope")
 
@@ -55,12 +55,23 @@ def set_log_level(level: str) -> None:
     logger.setLevel(_OFF if name == "off" else _LEVELS[name])
 
 
+def _formatter(rank: int | str) -> logging.Formatter:
+    return logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
+
+
+def set_log_rank(rank: int) -> None:
+    """The rank in the prefix of rankscope's lines. Read from RANK at import; an integration whose framework
+    starts its own processes (Lightning's launcher sets no RANK) sets the framework's global rank."""
+    for handler in logger.handlers:
+        if isinstance(handler, _StderrNow):
+            handler.setFormatter(_formatter(rank))
+
+
 def _install() -> None:
     if any(isinstance(h, _StderrNow) for h in logger.handlers):
         return
     handler = _StderrNow()
-    rank = os.environ.get("RANK", "0")
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(_formatter(os.environ.get("RANK", "0")))
     handler.addFilter(_UnlessTheRootPrints())
     logger.addHandler(handler)
     try:

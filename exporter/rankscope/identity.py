@@ -2,7 +2,11 @@
 
 Read from torchrun's environment (RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE,
 TORCHELASTIC_RUN_ID) with explicit overrides, so the same code works under
-torchrun, under another launcher that sets these variables, or alone.
+torchrun, under another launcher that sets these variables, or alone. A
+framework that starts its own processes knows better than the environment:
+Lightning's launcher (`python train.py` with `devices=2`) sets LOCAL_RANK and
+WORLD_SIZE but not RANK, so the integrations pass the framework's ranks as
+overrides (:meth:`RankIdentity.from_env`'s keyword arguments).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class RankIdentity:
         local_rank: int | None = None,
         world_size: int | None = None,
         node: str | None = None,
+        node_rank: int | None = None,
     ) -> RankIdentity:
         """Build from torchrun's variables; keyword arguments override them.
 
@@ -87,7 +92,7 @@ class RankIdentity:
             local_rank=_env_int(env, "LOCAL_RANK", 0) if local_rank is None else local_rank,
             world_size=_env_int(env, "WORLD_SIZE", 1) if world_size is None else world_size,
             node=node or env.get("RANKSCOPE_NODE") or socket.gethostname(),
-            node_rank=_env_int(env, "GROUP_RANK", 0),
+            node_rank=_env_int(env, "GROUP_RANK", _env_int(env, "NODE_RANK", 0)) if node_rank is None else node_rank,
         )
 
     def labels(self) -> dict[str, str]:
