@@ -7,7 +7,9 @@ log costs one sync per `log_every` steps, not one per step.
 JSONL records (one object per line, appended): `{"type": "train", "step",
 "loss", "acc_i2t", "acc_t2i", "lr"}` per step, `{"type": "val", ...}` per
 validation, and events (`start`, `resume`, `checkpoint`, `checkpoint_failed`, `action`,
-`finished`).
+`finished`). An `action` record is one settled control action as `/v1/status` reports it (`id`,
+`action`, `source`, `result`, `reason`, `detail`, `step`) stamped with the time it was settled, not
+the time it was written: a pause is logged once the loop resumes, with the pause's own time.
 Non-finite numbers are written as null (JSON has no NaN).
 """
 
@@ -43,6 +45,7 @@ class ProgressLog:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
         self._window_start = time.perf_counter()
         self._window_steps = 0
+        self._logged_actions: set[str] = set()
 
     def restart_clock(self) -> None:
         """Start timing from now (after setup, or after a pause), so throughput is not diluted."""
@@ -89,10 +92,26 @@ class ProgressLog:
         if self.enabled:
             self.write_records([{"type": kind, **fields}])
 
-    def write_records(self, records: Any) -> None:
+    def actions(self, recent: list[dict[str, Any]]) -> None:
+        """An `action` record for each newly settled control action of `recent` (the control queue's
+        outcomes, oldest first), stamped with its own settle time."""
         if self.path is None:
+            return
+        fresh = [r for r in recent if r.get("status") != "pending" and r.get("id") not in self._logged_actions]
+        records = []
+        for r in fresh:
+            self._logged_actions.add(r["id"])
+            records.append({"type": "action", "step": r.get("step"), "id": r["id"], "action": r.get("action"),
+                            "source": r.get("source"), "result": r.get("status"), "reason": r.get("reason", ""),
+                            "detail": r.get("detail", ""), "time": r.get("settled_at")})  # fmt: skip
+        self.write_records(records)
+
+    def write_records(self, records: Any) -> None:
+        if self.path is None or not records:
             return
         now = time.time()
         with self.path.open("a") as handle:
             for record in records:
-                handle.write(json.dumps({**record, "time": round(now, 3)}) + "\n")
+                # A record that carries its own time (an action's settle time) keeps it.
+                stamp = record.get("time") if isinstance(record.get("time"), int | float) else now
+                handle.write(json.dumps({**record, "time": round(stamp, 3)}) + "\n")

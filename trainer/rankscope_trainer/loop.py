@@ -314,8 +314,8 @@ class Trainer:
                 self.validate()
         if self.channel is not None:
             applied = self.channel.at_step_boundary(self.step, self)  # may call checkpoint() / request_stop()
-            for action in applied:  # carried out on every rank at this step (its outcome: /v1/status)
-                self.log.event("action", step=self.step, action=action)
+            if self.log.enabled:  # rank 0: the outcomes as /v1/status has them, each at its own time
+                self.log.actions(self.channel.queue.snapshot()["recent"])
             if "pause" in applied or "resume" in applied:
                 self.log.restart_clock()  # a pause is not step time
         # A stop requested at this boundary checkpoints on the way out (reason "stop:..."): not twice.
@@ -598,5 +598,6 @@ class Trainer:
         channel = getattr(self, "channel", None)  # None when start-up failed before it existed
         if channel is not None:
             channel.close()
+            self.log.actions(channel.queue.snapshot()["recent"])  # a stop is settled by close()
         self.monitor.close()
         self.rt.close()
