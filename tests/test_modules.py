@@ -133,10 +133,11 @@ def test_a_failure_inside_the_optimizer_hooks_is_reported_not_raised_into_the_st
 
 
 def test_norms_of_the_shares_on_several_devices_combine_as_one_norm():
-    from rankscope.modules import _combine_norms
+    from rankscope.modules import _combine_squares, _DeviceShard
 
-    combined = _combine_norms([torch.tensor([3.0, 0.0, 1.0]), torch.tensor([4.0, 2.0, 0.0])])
-    assert combined.tolist() == [5.0, 2.0, 1.0]
+    shards = [_DeviceShard(torch.device("cpu")), _DeviceShard(torch.device("cpu"))]
+    combined = _combine_squares(shards, [torch.tensor([9.0, 0.0, 1.0]), torch.tensor([16.0, 4.0, 0.0])])
+    assert combined.sqrt().tolist() == [5.0, 2.0, 1.0]
 
 
 def test_off_the_cpu_the_snapshot_memory_is_held_only_between_the_optimizer_hooks():

@@ -12,9 +12,28 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["DeferredValues"]
+__all__ = ["DeferredValues", "plain_tensor"]
 
 Sink = Callable[[list[float]], None]
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value` as a plain tensor holding its whole value, without communication.
+
+    A DTensor (FSDP2, tensor parallel: `clip_grad_norm_` returns one) whose placements are all Replicate
+    holds the whole value on every rank: its local tensor. Any other placement would need a collective
+    to assemble, which the monitor never starts behind the loop's back: refused in one line (the caller
+    counts it), as is any other tensor subclass."""
+    if type(value).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:  # plain, Parameter, a trivial subclass
+        return value
+    placements = getattr(value, "placements", None)
+    if placements is not None and hasattr(value, "to_local"):
+        if all(type(p).__name__ == "Replicate" for p in placements):
+            return value.to_local()
+        raise TypeError(
+            f"a DTensor placed {tuple(placements)} is not whole on this rank; pass value.full_tensor() instead"
+        )
+    raise TypeError(f"cannot read a {type(value).__name__} (a tensor subclass the monitor does not know)")
 
 
 class DeferredValues:
@@ -35,6 +54,8 @@ class DeferredValues:
         if not isinstance(value, torch.Tensor):
             sink([float(value)])
             return
+        if type(value) is not torch.Tensor:
+            value = plain_tensor(value)
         # Few calls on this path: it runs several times per step on the training thread.
         if value.is_cpu and not self._items:
             sink(value.tolist() if value.dim() == 1 else value.reshape(-1).tolist())

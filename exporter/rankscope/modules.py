@@ -12,6 +12,13 @@ pre-hook copies the parameters into one flat float32 buffer per device (laid
 out group by group, so a group is a slice) and the post-hook subtracts the
 new values in place. Other steps cost nothing; between due steps only a CPU
 buffer is kept (see _FlatSnapshot).
+
+Sharded parameters (DTensor: FSDP2, HSDP, tensor parallel) are measured whole: each rank takes the
+squares of its local shards (a replicated placement weighted by 1/replicas, so a replica counts once),
+and on due steps only the per-group squares are summed over the mesh in one all-reduce per statistic
+(on the default group when every mesh spans the job; else one per mesh dimension). The reduction stays
+on the device, so it adds no host synchronisation. Parameters are keyed by mesh equality (two equal
+meshes are one), never by id().
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from torch.utils._foreach_utils import (
 )
 
 __all__ = ["ModuleStats", "module_groups"]
+
+try:  # torch.distributed.tensor exists on every build we support; a build without it has no DTensor
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
 
 Sink = Callable[[str, list[str], torch.Tensor], None]  # (metric suffix, group names, one value per group)
 
@@ -64,11 +76,30 @@ def module_groups(model: nn.Module, max_groups: int) -> dict[str, list[nn.Parame
     return groups
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard; a plain tensor itself)."""
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
+def _layout_of(param: torch.Tensor) -> tuple[Any, tuple[Any, ...]] | None:
+    """(mesh, placements) of a DTensor parameter, None for a plain one; a placement that is neither
+    sharded nor replicated has no whole-parameter norm from its local part: refused, in one line."""
+    if DTensor is None or not isinstance(param, DTensor):
+        return None
+    for placement in param.placements:
+        # _StridedShard (FSDP2 over a tensor-parallel dimension) splits the tensor too, but is no Shard.
+        if not (placement.is_shard() or placement.is_replicate() or hasattr(placement, "split_factor")):
+            raise TypeError(f"module statistics: a parameter placed {placement!r} (only shards/replicas are measured)")
+    return param.device_mesh, tuple(param.placements)
+
+
 @dataclass
 class _DeviceShard:
-    """The parameters that live on one device, in group order, with where each group's slice starts and ends."""
+    """The parameters that live on one device (under one mesh and placement, for DTensors), in group order,
+    with where each group's slice starts and ends. Sizes and buffers are of the local parts."""
 
     device: torch.device
+    layout: tuple[Any, tuple[Any, ...]] | None = None  # (mesh, placements) of sharded parameters
     params: list[nn.Parameter] = field(default_factory=list)
     group_of: list[int] = field(default_factory=list)  # group index of each parameter
     bounds: list[tuple[int, int, int]] = field(default_factory=list)  # (group index, first element, end)
@@ -91,6 +122,22 @@ class _DeviceShard:
             self._snapshot = _FlatSnapshot(self)
         return self._snapshot
 
+    def locals(self) -> list[torch.Tensor]:
+        """The parameters' local parts (themselves when plain)."""
+        return self.params if self.layout is None else [_local(p) for p in self.params]
+
+    @property
+    def weight(self) -> float:
+        """How much one rank's squares count: 1 / the number of ranks holding the same part."""
+        if self.layout is None:
+            return 1.0
+        mesh, placements = self.layout
+        replicas = 1
+        for dim, placement in enumerate(placements):
+            if placement.is_replicate():
+                replicas *= mesh.size(dim)
+        return 1.0 / replicas
+
 
 class _FlatSnapshot:
     """One float32 buffer holding a copy of a shard's parameters, with a view shaped like each of them.
@@ -105,11 +152,12 @@ class _FlatSnapshot:
         self.flat = torch.empty(shard.bounds[-1][2], dtype=torch.float32, device=shard.device)
         self._bytes = self.flat.untyped_storage().nbytes()
         offsets = [0]
-        for param in shard.params:
+        local = shard.locals()
+        for param in local:
             offsets.append(offsets[-1] + param.numel())
         self.views = [
             self.flat.narrow(0, offset, param.numel()).view(param.shape)
-            for offset, param in zip(offsets, shard.params, strict=False)
+            for offset, param in zip(offsets, local, strict=False)
         ]
         self.group_slices = [self.flat[start:end] for _, start, end in shard.bounds]
         self._keep = shard.device.type == "cpu"
@@ -129,16 +177,18 @@ class _FlatSnapshot:
 
 
 def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
-    by_device: dict[torch.device, _DeviceShard] = {}
+    by_device: dict[tuple[torch.device, Any], _DeviceShard] = {}
     for index, params in enumerate(groups.values()):
         for param in params:
-            shard = by_device.setdefault(param.device, _DeviceShard(param.device))
+            layout = _layout_of(param)
+            shard = by_device.setdefault((param.device, layout), _DeviceShard(param.device, layout))
             shard.params.append(param)
             shard.group_of.append(index)
     for shard in by_device.values():
         start = 0
         for index in sorted(set(shard.group_of)):
-            end = start + sum(p.numel() for p, g in zip(shard.params, shard.group_of, strict=True) if g == index)
+            members = [p for p, g in zip(shard.params, shard.group_of, strict=True) if g == index]
+            end = start + sum(_local(p).numel() for p in members)
             shard.bounds.append((index, start, end))
             start = end
         shard.bound_groups = torch.tensor([b[0] for b in shard.bounds], dtype=torch.long, device=shard.device)
@@ -149,12 +199,32 @@ def _shards(groups: dict[str, list[nn.Parameter]]) -> list[_DeviceShard]:
     return list(by_device.values())
 
 
-def _combine_norms(per_device: list[torch.Tensor]) -> torch.Tensor:
-    """Per-group 2-norms from the per-group norms of each device's share (on the first device)."""
-    if len(per_device) == 1:
-        return per_device[0]
-    first = per_device[0].device
-    return torch.stack([norms.to(first) for norms in per_device]).square().sum(dim=0).sqrt()
+def _combine_squares(shards: list[_DeviceShard], squares: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-group squared 2-norms of whole parameters from each shard's local per-group squares (None: the
+    shard had nothing this step). Sharded parts are summed over their mesh: every shard's squares in one
+    all-reduce on the default group when each mesh spans the job, else one per mesh dimension."""
+    present = [(shard, sq) for shard, sq in zip(shards, squares, strict=True) if sq is not None]
+    if not present:
+        return None
+    plain = [sq for shard, sq in present if shard.layout is None]
+    sharded = [(shard, sq * shard.weight if shard.weight != 1.0 else sq) for shard, sq in present if shard.layout]
+    if sharded:
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for shard, sq in sharded:
+            by_mesh.setdefault(shard.layout[0], []).append(sq)  # type: ignore[index]
+        world = torch.distributed.get_world_size()
+        if all(mesh.size() == world for mesh in by_mesh):
+            summed = torch.stack([sq for parts in by_mesh.values() for sq in parts])
+            torch.distributed.all_reduce(summed)
+            plain.extend(summed.unbind(0))
+        else:
+            for mesh, parts in by_mesh.items():
+                summed = torch.stack(parts)
+                for dim in range(mesh.ndim):
+                    torch.distributed.all_reduce(summed, group=mesh.get_group(dim))
+                plain.extend(summed.unbind(0))
+    first = plain[0].device
+    return torch.stack([sq.to(first) for sq in plain]).sum(dim=0)
 
 
 def _torch_gradient_norms(
@@ -208,6 +278,8 @@ class ModuleStats:
         self._names = list(self.groups)
         self._shards = _shards(self.groups)
         self._watched_ids = {id(p) for shard in self._shards for p in shard.params}
+        # Sharded gradients: torch's clip reduces over the mesh itself, so the norms are not shared with it.
+        self._sharded = any(shard.layout is not None for shard in self._shards)
         self._group_of = {id(p): index for index, params in enumerate(self.groups.values()) for p in params}
         self._sharing_checked = False
         self._sharing_exact = True
@@ -236,6 +308,13 @@ class ModuleStats:
 
         return run
 
+    def disable(self) -> None:
+        """Switch the statistics off for good (after a failure): every hook and call is a no-op from here on.
+        The hooks stay registered (removing one from inside the optimizer's step would break its loop)."""
+        self._every = 0
+        self._due = False
+        self._drop_snapshots()
+
     def begin_step(self, step: int) -> None:
         self._due = self._every > 0 and step % self._every == 0
         self._grad_norms_recorded = False
@@ -259,7 +338,7 @@ class ModuleStats:
         Returns the total norm (before clipping), or None when sharing does not apply (the module norms
         are not due, `parameters` are not exactly the watched ones, or this torch computes its total norm
         differently from `_torch_gradient_norms`): then clip with torch as usual."""
-        if not self._due or self._grad_norms_recorded or not self._shards or not self._sharing_exact:
+        if not self._due or self._grad_norms_recorded or not self._shards or not self._sharing_exact or self._sharded:
             return None
         # Loops over parameters are the cost here (this runs every due step): the common case, the
         # watched parameters themselves, is settled by a C-level set comparison.
@@ -279,14 +358,15 @@ class ModuleStats:
                     self._sharing_exact = False
                     return None
             torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach)
-            squares = self._group_squares(with_grads, groups)
-        self._grad_norms_recorded = True
-        try:  # the gradients are clipped: from here on a failure must not make the caller clip again
-            self._sink("module_grad_norm", self._names, squares.sqrt())
-        except Exception as exc:
-            if self._on_error is None:
-                raise
-            self._on_error(exc)
+            self._grad_norms_recorded = True
+            # The gradients are clipped: from here on a failure is reported, and the caller gets torch's
+            # total all the same (a fallback that clipped again would change training).
+            try:
+                self._sink("module_grad_norm", self._names, self._group_squares(with_grads, groups).sqrt())
+            except Exception as exc:
+                if self._on_error is None:
+                    raise
+                self._on_error(exc)
         return total
 
     def _group_squares(
@@ -326,17 +406,18 @@ class ModuleStats:
 
     def _grad_norm_squares(self) -> torch.Tensor | None:
         """Squared gradient 2-norm per group (float32, on the first shard's device; None without gradients)."""
-        squares = None
+        per_shard: list[torch.Tensor | None] = []
         for shard in self._shards:
-            grads = [p.grad for p in shard.params if p.grad is not None]
+            grads = [_local(p.grad) for p in shard.params if p.grad is not None]
             if not grads:
-                continue
+                per_shard.append(None if shard.layout is None else torch.zeros(len(self._names), device=shard.device))
+                continue  # a sharded shard still joins its mesh's reduction: every rank must
             present = None if len(grads) == len(shard.params) else tuple(p.grad is not None for p in shard.params)
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             per_group = torch.zeros(len(self._names), device=shard.device)
             per_group.index_add_(0, shard.group_index(present), norms.square())
-            squares = per_group if squares is None else squares + per_group.to(squares.device)
-        return squares
+            per_shard.append(per_group)
+        return _combine_squares(self._shards, per_shard)
 
     def _snapshot(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._due:
@@ -344,20 +425,28 @@ class ModuleStats:
         with torch.no_grad():
             self._befores = []
             for shard in self._shards:
-                shard.snapshot().take(shard.params)
-                self._befores.append(self._group_norms(shard))
+                shard.snapshot().take(shard.locals())
+                self._befores.append(self._group_norms(shard).square())
 
     def _update_ratios(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         befores, self._befores = self._befores, None
         if not befores:
             return
         with torch.no_grad():
-            deltas = []
+            deltas: list[torch.Tensor | None] = []
             for shard in self._shards:
-                shard.snapshot().subtract(shard.params)
-                deltas.append(self._group_norms(shard))
+                shard.snapshot().subtract(shard.locals())
+                deltas.append(self._group_norms(shard).square())
                 shard.snapshot().release()
-            delta, before = _combine_norms(deltas), _combine_norms(befores)
+            # The change and the parameters before it in one reduction: [delta², before²] per shard.
+            both = _combine_squares(
+                self._shards,
+                [torch.cat([d, b]) for d, b in zip(deltas, befores, strict=True)],  # type: ignore[list-item]
+            )
+            if both is None:
+                return
+            groups = len(self._names)
+            delta, before = both[:groups].sqrt(), both[groups:].sqrt()
             # Tiny epsilon: a zero-initialised group must not divide by zero.
             self._sink("update_ratio", self._names, delta / (before + 1e-12))
 

@@ -208,14 +208,18 @@ class Monitor:
             self._metric["loss_scale_overflows_total"] = self.instruments.child(PREFIX + "loss_scale_overflows_total")
         if self._modules is not None:
             self._modules.close()
-        self._modules = ModuleStats(
-            model,
-            optimizer,
-            self.config.module_stats_every_n_steps,
-            self.config.max_module_groups,
-            self._module_sink,
-            on_error=self._module_stats_failed,
-        )
+            self._modules = None
+        try:
+            self._modules = ModuleStats(
+                model,
+                optimizer,
+                self.config.module_stats_every_n_steps,
+                self.config.max_module_groups,
+                self._module_sink,
+                on_error=self._module_stats_failed,
+            )
+        except Exception as exc:  # a parameter type the statistics cannot measure: they stay off, counted
+            self._fail("module_stats", exc)
 
     def attach_comm_hook(self, ddp_model: Any) -> None:
         """Time the gradient all-reduce of a DistributedDataParallel model.
