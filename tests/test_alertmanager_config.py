@@ -51,6 +51,7 @@ EXPECTED_RECEIVERS = {
     "RankscopeDataLoaderBottleneck": "tickets",
     "RankscopeCommOverheadHigh": "tickets",
     "RankscopeSlowSteps": "tickets",
+    "RankscopeRankHung": "trainer-control,pager",
     "RankscopeRunStalled": "pager",
     "RankscopeRankDown": "pager",
     "RankscopeRunPaused": "null",

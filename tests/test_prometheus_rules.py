@@ -597,6 +597,7 @@ def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_o
         "divergence_action": ["reduce_lr", "rollback"],
         "nonfinite_action": ["reduce_lr", "rollback"],
         "slow_step_action": ["", "reduce_micro_batch"],
+        "hang_action": ["restart", ""],
     }
     # ACTION_TUNABLES names exactly the alerts whose rule each tunable changes.
     used = _tunables_used()

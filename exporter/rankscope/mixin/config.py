@@ -80,6 +80,7 @@ ACTION_TUNABLES = {
     "divergence_action": ActionChoice(("RankscopeLossDiverging",), ("reduce_lr", "rollback")),
     "nonfinite_action": ActionChoice(("RankscopeNonFiniteSteps",), ("reduce_lr", "rollback")),
     "slow_step_action": ActionChoice(("RankscopeSlowSteps",), ("", "reduce_micro_batch")),
+    "hang_action": ActionChoice(("RankscopeRankHung",), ("restart", "")),
 }
 #: How the alerts' texts say what the trainer does for each action an alert may carry: (in the summary, in the
 #: description). An action without words here fails generation (KeyError naming it).
@@ -90,6 +91,11 @@ EFFECTS = {
         "the trainer rolls back to an earlier checkpoint",
         "the trainer reloads the newest checkpoint from before the incident and skips the data that followed it",
     ),
+    "restart": (
+        "the trainer restarts the group from its newest checkpoint",
+        "the trainer writes every rank's stacks beside the checkpoints, then every rank exits with status 75 so "
+        "that torchrun (--max-restarts) starts the group again from the newest checkpoint",
+    ),
     "reduce_micro_batch": (
         "the trainer halves the micro-batch",
         "the trainer halves the micro-batch and doubles gradient accumulation (the same global batch)",
@@ -99,7 +105,11 @@ EFFECTS = {
 IMBALANCE_ALERT = "RankscopeRankImbalance"
 #: Alertmanager inhibitions: (source alert, target alerts). A dead rank stalls the whole run (its peers block
 #: in the next collective) and makes the compute-time comparison meaningless: page once, for the cause.
-INHIBITIONS = (("RankscopeRankDown", ("RankscopeRunStalled", IMBALANCE_ALERT)),)
+INHIBITIONS = (
+    ("RankscopeRankDown", ("RankscopeRunStalled", IMBALANCE_ALERT)),
+    # The hang alert names the rank and acts: the catch-all stall alert would page a second time for it.
+    ("RankscopeRankHung", ("RankscopeRunStalled",)),
+)
 
 
 def action_choices(tunable: str) -> list[str]:
@@ -235,8 +245,28 @@ class Tunables:
     slow_step_action: str = ""
     """What slow steps ask the trainer for: nothing ("", a person decides) or reduce_micro_batch."""
 
+    hang_floor_seconds: float = 20.0
+    """RankscopeRankHung: no step on any rank for longer than max(this, hang_step_multiple x the run's recent
+    step time) is a hang."""
+    hang_step_multiple: float = 10.0
+    hang_step_window: str = "5m"
+    """The run's recent step time: its mean step time over this window (local rank 0 of each node)..."""
+    hang_step_lookback: str = "1h"
+    """...the highest such mean within this range (so a hang does not shrink its own threshold)."""
+    hang_checkpoint_limit_seconds: float = 600.0
+    """A rank checkpointing (rankscope_phase) for less than this excuses the run from the hang alert."""
+    hang_validation_limit_seconds: float = 600.0
+    """A rank validating for less than this excuses the run from the hang alert."""
+    hang_for: str = "0s"
+    """No `for`: the threshold is already a time without a step (at least hang_floor_seconds)."""
+    hang_severity: str = "page"
+    hang_action: str = "restart"
+    """What a hang asks the trainer for: restart (every rank writes its stacks and exits for torchrun to
+    restart the group from its newest checkpoint) or nothing ("")."""
+
     stall_seconds: float = 600.0
-    """No completed step for this long, while the ranks are scraped, is a stalled run."""
+    """No completed step for this long, while the ranks are scraped, is a stalled run (RankscopeRunStalled, the
+    catch-all: kept for loops without phase tracking; inhibited while RankscopeRankHung fires)."""
     stall_for: str = "1m"
     stall_severity: str = "page"
     rank_down_for: str = "2m"
@@ -272,7 +302,8 @@ class Tunables:
             if not getattr(self, name) > 1:
                 raise ValueError(f"{name} must be greater than 1, got {getattr(self, name)}")
         for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
-                     "loss_scale_min", "slow_step_seconds"):  # fmt: skip
+                     "loss_scale_min", "slow_step_seconds", "hang_floor_seconds", "hang_step_multiple",
+                     "hang_checkpoint_limit_seconds", "hang_validation_limit_seconds"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
         if self.nonfinite_steps < 0:

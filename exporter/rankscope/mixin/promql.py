@@ -105,6 +105,12 @@ LOSS_CHANGE_STEPS = 1000
 LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
 # liveness
 PAUSED_MAX = f"run:{metric_name('paused')}:max"
+# hangs
+HANG_STEP_SECONDS = f"run:{metric_name('step_duration_seconds')}:hang_reference_mean"
+HANG_THRESHOLD = f"run:{metric_name('last_step_timestamp_seconds')}:hang_threshold_seconds"
+HANG_STALLED = f"run:{metric_name('last_step_timestamp_seconds')}:stalled_seconds"
+HANG_EXCUSED = f"run:{metric_name('phase')}:hang_excused"
+HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
 # efficiency

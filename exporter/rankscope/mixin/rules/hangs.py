@@ -1,0 +1,153 @@
+"""Hangs: a run that makes no progress, with the rank that holds it up and what that rank is doing.
+
+Every rank serves its phase (``rankscope_phase``, an index into ``rankscope.contract.PHASES``) and how many
+collectives it has started (``rankscope_collectives_total``) from its metrics thread, which a blocked
+training thread cannot freeze. When no rank has completed a step for longer than the run's threshold
+(``hang_step_multiple`` times its recent step time, never below ``hang_floor_seconds``), the suspects are:
+
+- ``outside_collective``: a rank that is not in a collective while other ranks of the run wait in one (a
+  data loader that never delivers, a forward that never ends, a rank that took another branch);
+- ``lagging_collectives``: a rank that waits in a collective but has started fewer than the others (it
+  skipped or reordered one, so it waits in a collective the others have passed);
+- ``every_rank_in_collective``: every rank waits in a collective, all started alike: no single rank is
+  behind (the network, NCCL, a wedged switch or device). One alert for the run, without a rank.
+
+A paused run, a checkpoint or validation within its own limit (``hang_checkpoint_limit_seconds``,
+``hang_validation_limit_seconds``) and a run that still completes steps never fire it. Its value is the
+time since the run's last step. `RankscopeRunStalled` (liveness) stays as the catch-all for loops that
+serve no phase; Alertmanager inhibits it while this alert fires.
+"""
+
+from __future__ import annotations
+
+from rankscope.contract import PHASES
+from rankscope.mixin.config import Tunables, effect, sentence
+from rankscope.mixin.promql import (
+    HANG_EXCUSED,
+    HANG_STALLED,
+    HANG_STEP_SECONDS,
+    HANG_SUSPECTS,
+    HANG_THRESHOLD,
+    ONE_PER_NODE,
+    RANK,
+    RUN,
+    metric_name,
+    num,
+)
+from rankscope.mixin.rules import Alert
+
+_COLLECTIVE = PHASES.index("collective")
+
+
+def _phase(name: str) -> str:
+    return f"{metric_name('phase')} == {PHASES.index(name)}"
+
+
+def _within(started: str, limit: float, name: str) -> str:
+    """Ranks in phase `name` for less than `limit` seconds."""
+    return f"((time() - {started} < {num(limit)}) and on ({RANK}) ({_phase(name)}))"
+
+
+def _counts() -> str:
+    return f"sum by ({RANK}) ({metric_name('collectives_total')})"
+
+
+def records(t: Tunables) -> list[dict[str, str]]:
+    phase = metric_name("phase")
+    started = metric_name("phase_started_timestamp_seconds")
+    step = metric_name("step_duration_seconds")
+    last_step = metric_name("last_step_timestamp_seconds")
+    in_collective = f"{phase} == {_COLLECTIVE}"
+    return [
+        {
+            # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value.
+            "record": HANG_STEP_SECONDS,
+            "expr": f"sum by ({RUN}) (rate({metric_name('step_duration_seconds', 'sum')}{ONE_PER_NODE}"
+            f"[{t.hang_step_window}]))\n"
+            f"/\n"
+            f"(sum by ({RUN}) (rate({step}_count{ONE_PER_NODE}[{t.hang_step_window}])) > 0)",
+        },
+        {
+            "record": HANG_THRESHOLD,
+            "expr": f"clamp_min(max_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
+            f"{num(t.hang_step_multiple)}, {num(t.hang_floor_seconds)})\n"
+            f"or on ({RUN})\n"
+            f"(max by ({RUN}) ({last_step}) * 0 + {num(t.hang_floor_seconds)})",
+        },
+        {"record": HANG_STALLED, "expr": f"time() - max by ({RUN}) ({last_step} > 0)"},
+        {
+            # A run with a rank checkpointing or validating within its limit, or paused, is not hung.
+            "record": HANG_EXCUSED,
+            "expr": f"max by ({RUN}) (\n"
+            f"  {_within(started, t.hang_checkpoint_limit_seconds, 'checkpoint')}\n"
+            f"  or\n"
+            f"  {_within(started, t.hang_validation_limit_seconds, 'validation')}\n"
+            f"  or\n"
+            f"  ({_phase('paused')})\n"
+            f"  or\n"
+            f"  ({metric_name('paused')} > 0)\n"
+            f") * 0 + 1",
+        },
+        {
+            # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring).
+            "record": HANG_SUSPECTS,
+            "expr": f"label_replace(\n"
+            f"  {phase} != {_COLLECTIVE} and on ({RUN}) (count by ({RUN}) ({in_collective}) > 0),\n"
+            f'  "suspect", "outside_collective", "", ""\n'
+            f")\n"
+            f"or\n"
+            f"label_replace(\n"
+            f"  ({in_collective})\n"
+            f"  and on ({RANK})\n"
+            f"  ({_counts()} < on ({RUN}) group_left () max by ({RUN}) ({_counts()})),\n"
+            f'  "suspect", "lagging_collectives", "", ""\n'
+            f")\n"
+            f"or\n"
+            f"label_replace(\n"
+            f"  max by ({RUN}) ({in_collective})\n"
+            f"  and on ({RUN}) (count by ({RUN}) ({in_collective}) == count by ({RUN}) ({phase}))\n"
+            f"  and on ({RUN}) (min by ({RUN}) ({_counts()}) == max by ({RUN}) ({_counts()})),\n"
+            f'  "suspect", "every_rank_in_collective", "", ""\n'
+            f")",
+        },
+    ]
+
+
+def _named_suspects() -> str:
+    """The suspects with their phase's name as a label (few series: only the recorded suspects are read)."""
+    return "\nor\n".join(
+        f'label_replace({HANG_SUSPECTS} == {index}, "phase", "{name}", "", "")' for index, name in enumerate(PHASES)
+    )
+
+
+def alerts(t: Tunables) -> list[Alert]:
+    if t.hang_action:
+        acts, said = effect(t.hang_action)
+        then = (f"; {acts}", f" {sentence(said)}.")
+    else:
+        then = ("", " Run `rankscope-ctl stacks` to see every rank's stacks, then restart the job.")
+    who = (
+        '{{ if eq $labels.suspect "every_rank_in_collective" }}every rank waits in the same collective, all '
+        "having started as many: no single rank is behind (the network, NCCL, a wedged switch or device)"
+        '{{ else if eq $labels.suspect "outside_collective" }}rank {{ $labels.rank }} (node {{ $labels.node }}) '
+        "is in phase {{ $labels.phase }}, outside the collective the other ranks wait in"
+        "{{ else }}rank {{ $labels.rank }} (node {{ $labels.node }}) waits in a collective but has started fewer "
+        "than the other ranks: it skipped or reordered one{{ end }}"
+    )
+    return [
+        Alert(
+            "RankscopeRankHung",
+            f"(\n{_named_suspects()}\n) * 0\n"
+            f"+ on ({RUN}) group_left ()\n"
+            f"({HANG_STALLED} > {HANG_THRESHOLD})\n"
+            f"unless on ({RUN})\n"
+            f"{HANG_EXCUSED}",
+            t.hang_for,
+            t.hang_severity,
+            f"A run makes no progress and one rank (or the network) holds it up{then[0]}.",
+            "Run {{ $labels.run_id }} has completed no step for {{ $value | humanizeDuration }} (threshold: "
+            f"{num(t.hang_step_multiple)}x its recent step time, at least {num(t.hang_floor_seconds)}s; not "
+            f"paused, not checkpointing or validating within its limit): {who}.{then[1]}",
+            t.hang_action,
+        ),
+    ]
