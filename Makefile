@@ -5,12 +5,14 @@
 DEMO_STEPS ?= 3000
 # The fault injected partway through (none, nonfinite, divergence, straggler; see devstack/narrator.py).
 SCENARIO ?= nonfinite
+# MTLS=1: the whole loop over TLS with client certificates (throwaway CA in .stack/certs; docs/security.md).
+MTLS ?=
 
 bootstrap:
 	@scripts/bootstrap.sh
 
 demo: bootstrap
-	.venv/bin/python -m devstack.stack --steps $(DEMO_STEPS) --scenario $(SCENARIO)
+	.venv/bin/python -m devstack.stack --steps $(DEMO_STEPS) --scenario $(SCENARIO) $(if $(MTLS),--mtls)
 
 # The run report of the demo (while `make demo` runs; on exit the demo writes .stack/report.html itself).
 # The demo writes its Prometheus's address (a free port if 9090 was taken) to .stack/prometheus-url.

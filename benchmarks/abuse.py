@@ -28,12 +28,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
+from .loadgen import use_tls
 from .scrape import LoadGenerator
 from .timing import interleaved_blocks, machine_line, ratio_line
 from .workload import Workload, ensure_process_group, variants
@@ -82,8 +85,8 @@ def measure(work: Workload, groups: int, block: int, connections: int, rate: flo
         run = variant.prepare(long)
         assert run.monitor is not None and run.monitor.port is not None
         ports = {name: run.monitor.port for name in abused}
-        for condition, port in ports.items():
-            loads[condition] = LoadGenerator(f"http://127.0.0.1:{port}/metrics", abused[condition], hold=connections)
+        for condition in ports:
+            loads[condition] = LoadGenerator(run.monitor.start().url, abused[condition], hold=connections)
         print(f"threads at the start: {process_threads()} (training process, with its metrics server)")
 
         def switch(condition: str) -> None:
@@ -149,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=20, help="training steps per block")
     parser.add_argument("--quick", action="store_true", help="4 groups")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--tls", action="store_true", help="serve over TLS with client certificates: the held "
+                        "connections then stall before their handshake")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tls:
+        use_tls(Path(tempfile.mkdtemp(prefix="rankscope-bench-tls-")))
+        print("over TLS: RequireAndVerifyClientCert, EC P-256; every scrape a fresh connection and a full handshake")
     if min(args.connections, args.groups, args.block) < 1 or args.rate <= 0:
         parser.error("--connections, --groups and --block must be >= 1 and --rate > 0")
     groups = 4 if args.quick else args.groups

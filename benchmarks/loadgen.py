@@ -14,7 +14,9 @@ proves the URL works it prints `ready`. Commands on stdin, one per line:
 `off`, no scrape is in flight any more), also when it changes nothing, and
 the starting state is announced the same way. End of stdin (or SIGTERM/SIGINT) stops it; it
 then prints one JSON line: scrapes, errors, the most idle connections held,
-median and p99 latency in seconds.
+median and p99 latency in seconds. An https URL is scraped with the client certificate named by
+RANKSCOPE_CONTROL_CA/_CERT/_KEY (`use_tls`), each scrape a full handshake; held connections then
+stall before their handshake (the slow-handshake abuse).
 """
 
 from __future__ import annotations
@@ -23,22 +25,54 @@ import argparse
 import contextlib
 import http.client
 import json
+import os
 import resource
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from .timing import percentile
 
-__all__ = ["main", "scrape_once"]
+__all__ = ["main", "scrape_once", "use_tls"]
 
 
-def scrape_once(host: str, port: int, path: str, timeout: float = 5.0) -> int:
-    """One GET of the whole page on a fresh connection; the page's size in bytes."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+def use_tls(folder: Path) -> None:
+    """Serve /metrics over TLS with client certificates in this process and its children (a throwaway CA
+    in `folder`): the monitor reads RANKSCOPE_METRICS_WEB_CONFIG_FILE, the load generators present the
+    client certificate named by RANKSCOPE_CONTROL_CA/_CERT/_KEY."""
+    from devstack.certs import make_certs, write_web_config
+
+    certs = make_certs(folder)
+    os.environ.update(
+        RANKSCOPE_METRICS_WEB_CONFIG_FILE=str(write_web_config(certs, folder / "web.yml")),
+        RANKSCOPE_CONTROL_CA=str(certs.ca),
+        RANKSCOPE_CONTROL_CERT=str(certs.client_cert()),
+        RANKSCOPE_CONTROL_KEY=str(certs.client_key()),
+    )
+
+
+def _connection(scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+    if scheme != "https":
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+    global _context
+    if _context is None:
+        from rankscope.control.client import ClientTls
+
+        _context = ClientTls.from_env().ssl_context()
+    return http.client.HTTPSConnection(host, port, timeout=timeout, context=_context)
+
+
+_context: ssl.SSLContext | None = None
+
+
+def scrape_once(host: str, port: int, path: str, timeout: float = 5.0, scheme: str = "http") -> int:
+    """One GET of the whole page on a fresh connection (over https: a full handshake); the page's size in bytes."""
+    connection = _connection(scheme, host, port, timeout)
     try:
         connection.request("GET", path, headers={"Accept": "text/plain"})
         response = connection.getresponse()
@@ -109,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate < 0 or args.hold < 0 or args.rate == 0 and not args.hold:
         parser.error(f"--rate must be > 0 (or 0 with --hold) and --hold >= 0, got {args.rate} and {args.hold}")
     parts = urlsplit(args.url)
-    if parts.scheme != "http" or not parts.hostname or not parts.port:
-        parser.error(f"url must look like http://HOST:PORT/metrics, got {args.url!r}")
-    host, port, path = parts.hostname, parts.port, parts.path or "/metrics"
+    if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+        parser.error(f"url must look like http(s)://HOST:PORT/metrics, got {args.url!r}")
+    host, port, path, scheme = parts.hostname, parts.port, parts.path or "/metrics", parts.scheme
     try:
-        scrape_once(host, port, path)
+        scrape_once(host, port, path, scheme=scheme)
     except OSError as exc:
         print(f"error: cannot scrape {args.url}: {exc}", flush=True)
         return 1
@@ -154,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # look at the switch and the clock again
         started = time.perf_counter()
         try:
-            scrape_once(host, port, path)
+            scrape_once(host, port, path, scheme=scheme)
             latencies.append(time.perf_counter() - started)
         except OSError:
             errors += 1

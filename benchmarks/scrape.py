@@ -29,18 +29,19 @@ the training process's CPU per scrape and the scrape latency.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
@@ -48,9 +49,11 @@ from prometheus_client import generate_latest, start_http_server
 from rankscope import MonitorConfig
 from rankscope.serving.exposition import PageRenderer
 from rankscope.serving.metrics_endpoint import serve_metrics
+from rankscope.serving.webconfig import web_config_for
 
 from devstack.monitoring import seconds, shipped_interval
 
+from .loadgen import scrape_once, use_tls
 from .timing import interleaved_blocks, machine_line, percentile, ratio_line
 from .workload import Variant, Workload, ensure_process_group, variants
 
@@ -95,12 +98,7 @@ def _side_by_side(functions: dict[str, Callable[[], object]], count: int) -> tup
 
 def _http_get(url: str) -> bytes:
     parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
-    try:
-        connection.request("GET", parts.path)
-        return connection.getresponse().read()
-    finally:
-        connection.close()
+    return scrape_once(parts.hostname or "", parts.port or 0, parts.path, scheme=parts.scheme)
 
 
 def measure_pages(work: Workload, renders: int) -> None:
@@ -115,7 +113,7 @@ def measure_pages(work: Workload, renders: int) -> None:
             run.train()
             monitor = run.monitor
             assert monitor is not None and monitor.port is not None
-            url = f"http://127.0.0.1:{monitor.port}/metrics"
+            url = monitor.start().url
             renderer = PageRenderer(monitor.registry)
             before_page, after_page = generate_latest(monitor.registry), renderer.render()
             wall, cpu = _side_by_side(
@@ -212,12 +210,13 @@ def measure_under_load(work: Workload, groups: int, block: int, rate: float) -> 
         run = variant.prepare(long)
         monitor = run.monitor
         assert monitor is not None and monitor.port is not None
-        uncached = serve_metrics(monitor.registry, "127.0.0.1", 0, page_cache_seconds=0)
+        uncached = serve_metrics(monitor.registry, "127.0.0.1", 0, page_cache_seconds=0, web=web_config_for("metrics"))
         extra_servers.append(uncached.close)
         old_server, old_thread = start_http_server(0, addr="127.0.0.1", registry=monitor.registry)
         extra_servers.append(lambda: (old_server.shutdown(), old_server.server_close(), old_thread.join(5)))
-        ports = {"after": monitor.port, "after, no cache": uncached.port, "before": old_server.server_address[1]}
-        loads = {name: LoadGenerator(f"http://127.0.0.1:{port}/metrics", rate) for name, port in ports.items()}
+        urls = {"after": monitor.start().url, "after, no cache": uncached.url,
+                "before": f"http://127.0.0.1:{old_server.server_address[1]}/metrics"}  # fmt: skip
+        loads = {name: LoadGenerator(url, rate) for name, url in urls.items()}
 
         def switch(condition: str) -> None:
             for name, load in loads.items():
@@ -268,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second during training")
     parser.add_argument("--quick", action="store_true", help="100 renders, 8 groups")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--tls", action="store_true", help="serve over mTLS ('before' stays plain)")
     args = parser.parse_args(argv)
+    if args.tls:
+        use_tls(Path(tempfile.mkdtemp(prefix="rankscope-bench-tls-")))
+        print("over TLS: RequireAndVerifyClientCert, EC P-256; every scrape a fresh connection and a full handshake")
     if min(args.renders, args.groups, args.block) < 1 or args.rate <= 0:
         parser.error("--renders, --groups and --block must be >= 1 and --rate > 0")
     renders, groups = (100, 8) if args.quick else (args.renders, args.groups)

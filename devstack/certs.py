@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Certs", "issue", "make_certs", "write_web_config"]
+__all__ = ["Certs", "issue", "make_certs", "use_mtls", "write_web_config"]
 
 DAYS = 1
 
@@ -94,3 +94,22 @@ def write_web_config(
         f"  client_ca_file: {certs.ca}\n" + extra
     )
     return path
+
+
+def use_mtls(prometheus: dict, alertmanager: dict | None, certs: Certs, control_url: str) -> None:
+    """Rewrite derived configs for a stack served over mTLS: Prometheus scrapes the ranks (the `rankscope`
+    job) with https and its client certificate; Alertmanager's webhooks to `control_url` (http://host:port)
+    become https with Alertmanager's client certificate."""
+
+    def tls(client: str) -> dict[str, str]:
+        return {"ca_file": str(certs.ca), "cert_file": str(certs.client_cert(client)),
+                "key_file": str(certs.client_key(client))}  # fmt: skip
+
+    for job in prometheus["scrape_configs"]:
+        if job["job_name"] == "rankscope":
+            job["scheme"], job["tls_config"] = "https", tls("prometheus")
+    for receiver in (alertmanager or {}).get("receivers", []):
+        for hook in receiver.get("webhook_configs", []):
+            if hook.get("url", "").startswith(control_url):
+                hook["url"] = "https" + hook["url"][len("http") :]
+                hook.setdefault("http_config", {})["tls_config"] = tls("alertmanager")

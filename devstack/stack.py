@@ -30,8 +30,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rankscope.control.client import ClientTls
 from rankscope_trainer.config import ConfigError, add_overrides_option, load_config
 
+from devstack.certs import Certs, make_certs, use_mtls, write_web_config
 from devstack.monitoring import INSTALL_HINT, MonitoringStack
 from devstack.narrator import SCENARIOS, Narrator
 from devstack.ports import Ports, free_port_block, port_is_free
@@ -90,6 +92,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, help=f"rank r serves metrics-port + r (default {Ports.metrics})")
     parser.add_argument("--control-port", type=int, help=f"default {Ports.control}{taken}")
     parser.add_argument("--pager-port", type=int, default=None, help="a local webhook receiving pages (optional)")
+    parser.add_argument(
+        "--mtls",
+        action="store_true",
+        help="serve both endpoints over TLS with client certificates (a throwaway CA in RUN_DIR/certs): Prometheus "
+        "scrapes and Alertmanager calls the trainer with client certificates (docs/security.md)",
+    )
     parser.add_argument(
         "--scenario",
         choices=sorted(SCENARIOS),
@@ -195,7 +203,9 @@ def _supervise(stop: threading.Event, monitoring: list[Child], trainer: Child) -
             )
 
 
-def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout: float = 60.0) -> None:
+def _stop_trainer_gracefully(
+    trainer: Child, ports: Ports, token: Path, timeout: float = 60.0, scheme: str = "http"
+) -> None:
     """Ask the trainer to `stop` through its control endpoint: it checkpoints, then all ranks exit together.
 
     Signals would also stop it, but without that last checkpoint. If the endpoint does not take the
@@ -204,7 +214,7 @@ def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout:
     if trainer.popen.poll() is not None:
         return
     request = urllib.request.Request(
-        f"http://127.0.0.1:{ports.control}/v1/actions",
+        f"{scheme}://127.0.0.1:{ports.control}/v1/actions",
         data=json.dumps({"action": "stop", "reason": "devstack.stack shutdown"}).encode(),
         headers={"Authorization": f"Bearer {token.read_text().strip()}", "Content-Type": "application/json"},
         method="POST",
@@ -218,6 +228,24 @@ def _stop_trainer_gracefully(trainer: Child, ports: Ports, token: Path, timeout:
         trainer.popen.wait(timeout)
 
 
+def _serve_over_mtls(run_dir: Path) -> Certs:
+    """A throwaway CA and certificates; the trainer (a child: it inherits the environment) serves both
+    endpoints with them and requires client certificates, and this process's HTTPS requests (the
+    narrator's, the final stop) present the operator's."""
+    certs = make_certs(run_dir / "certs", clients=("prometheus", "alertmanager", "operator"))
+    web = write_web_config(certs, certs.folder / "web.yml")
+    operator = ClientTls(str(certs.ca), str(certs.client_cert("operator")), str(certs.client_key("operator")))
+    os.environ.update(
+        RANKSCOPE_WEB_CONFIG_FILE=str(web),
+        RANKSCOPE_CONTROL_CA=operator.ca,  # rank 0 gathering stacks, and rankscope-ctl from this shell's children
+        RANKSCOPE_CONTROL_CERT=operator.cert,
+        RANKSCOPE_CONTROL_KEY=operator.key,
+    )
+    handler = urllib.request.HTTPSHandler(context=operator.ssl_context())
+    urllib.request.install_opener(urllib.request.build_opener(handler))
+    return certs
+
+
 def run(args: argparse.Namespace) -> int:
     find_binaries(
         "prometheus", "prometheus-alertmanager", hint=INSTALL_HINT
@@ -226,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     token = _token_file(run_dir)
+    scheme = "https" if args.mtls else "http"
+    certs = _serve_over_mtls(run_dir) if args.mtls else None
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -233,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     children = Children()
     try:
         stack = MonitoringStack(run_dir, ports, args.nproc, token, children=children, log_dir=run_dir / "logs")
+        if certs is not None:
+            use_mtls(stack.config, stack.am_config, certs, f"http://127.0.0.1:{ports.control}")
         monitoring = stack.start().servers
         (run_dir / "prometheus-url").write_text(f"http://127.0.0.1:{ports.prometheus}\n")  # for `make report`
         if stop.is_set():  # Ctrl-C while Prometheus and Alertmanager were starting
@@ -241,14 +273,16 @@ def run(args: argparse.Namespace) -> int:
         trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
         print(_banner(ports, args.nproc, run_dir, token), flush=True)
         print(f"  scenario        {args.scenario}: {SCENARIOS[args.scenario].expect}", flush=True)
-        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"http://127.0.0.1:{ports.control}",
+        if certs is not None:
+            print(f"  mTLS            certificates, keys and web config in {certs.folder}", flush=True)
+        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
                             token.read_text().strip()).start()  # fmt: skip
         try:
             _supervise(stop, monitoring, trainer)
         finally:
             narrator.stop()
         print("stopping the stack: asking the trainer to checkpoint and stop ...", flush=True)
-        _stop_trainer_gracefully(trainer, ports, token)
+        _stop_trainer_gracefully(trainer, ports, token, scheme=scheme)
         _write_report(ports, run_dir)
         return 0
     finally:
