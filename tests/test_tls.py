@@ -240,3 +240,27 @@ def test_rankscope_ctl_reaches_an_mtls_endpoint_with_its_ca_cert_and_key(certs, 
         assert json.loads(capsys.readouterr().out)["run_id"] == "local"
     finally:
         server.close()
+
+
+def test_a_page_larger_than_the_socket_buffer_arrives_whole_over_tls(certs, tmp_path):
+    # The I/O thread begins a cached page without blocking; over TLS a worker must finish it with the same bytes.
+    from prometheus_client import Gauge
+
+    reg = CollectorRegistry()
+    gauge = Gauge("rankscope_test_wide", "many series", ["i"], registry=reg)
+    for i in range(40_000):
+        gauge.labels(i=f"{i:08d}" * 4).set(i)
+    web = load_web_config(write_web_config(certs, tmp_path / "web.yml"))
+    server = serve_metrics(reg, "127.0.0.1", 0, web=web, page_cache_seconds=60)
+    try:
+        context = client_context(certs, certs)
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, context=context, timeout=30)
+        pages = []
+        for _ in range(3):  # rendered by a worker, then twice from the cache on one kept-alive connection
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            pages.append(response.read())
+        conn.close()
+    finally:
+        server.close()
+    assert len(pages[0]) > 2_000_000 and pages[0] == pages[1] == pages[2]
