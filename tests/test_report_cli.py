@@ -174,8 +174,8 @@ def test_a_live_run_gets_its_report_and_summary(prometheus: str, tmp_path: Path)
     assert f"wrote {out}" in result.stdout and "run live" in result.stdout
     parsed = _Sections()
     parsed.feed(out.read_text())
-    assert parsed.sections == ["facts", "overview", "training", "ranks", "resources", "incidents", "analyses",
-                               "attention"]  # fmt: skip
+    assert parsed.sections == ["facts", "overview", "training", "ranks", "resources", "incidents", "goodput",
+                               "analyses", "attention"]  # fmt: skip
     assert parsed.images >= 9
     page = out.read_text()
     assert "live: still training" in page and "No attention maps" in page

@@ -17,6 +17,7 @@ from rankscope.report.analysis import straggler
 from rankscope.report.attention import read_attention_maps
 from rankscope.report.collect import RunData, collect
 from rankscope.report.errors import ReportError
+from rankscope.report.goodput import goodput_section
 from rankscope.report.html import Note, render_page
 from rankscope.report.incidents import find_incidents
 from rankscope.report.prom import Prometheus
@@ -38,6 +39,8 @@ class ReportRequest:
     attention: Path | None = None
     """Directory of attention maps; default: `attention/` beside the run log."""
     timeout: float = 30.0
+    price_per_gpu_hour: float | None = None
+    """Shows the goodput section's costs in money too."""
 
 
 @dataclass
@@ -66,6 +69,14 @@ def _log_for_run(log: RunLog, data: RunData) -> RunLog:
     return RunLog(log.path, kept)
 
 
+def _world_size(data: RunData) -> int:
+    """The run's world size from rankscope_run_info (1 where it is missing)."""
+    try:
+        return max(1, int(data.info.get("world_size", "1")))
+    except ValueError:
+        return 1
+
+
 def build_report(request: ReportRequest, now: float | None = None) -> Report:
     """Build and write the report (see the module docstring); ReportError for anything the user must fix."""
     now = time.time() if now is None else now
@@ -83,6 +94,7 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
     incidents = find_incidents(
         data.raw.get("alerts", []), data.raw.get("actions", []), interval=run.interval, end=data.events_end, log=log,
         global_step=data.one("global_step"), paused=data.one("paused"),
+        loss=next((s for s in data.series.get("loss", []) if s.labels.get("split") == "train"), None),  # NaNs kept
     )  # fmt: skip
     ctx = sections.Context(data, log, incidents, straggler(data.get("compute_time"), sections.STRAGGLER_RATIO))
     summary_png = ctx.summary_png()
@@ -92,6 +104,7 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
         sections.ranks(ctx),
         sections.resources(ctx),
         sections.incidents_section(ctx),
+        goodput_section(prom, run, _world_size(data), request.price_per_gpu_hour, utc=sections.utc),
         sections.analyses(ctx),
         sections.attention(snapshots, skipped, attention_dir),
     ]

@@ -36,6 +36,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a price (a number), got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -66,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTML file to write (default: %(default)s); the PNG summary goes beside it",
     )  # fmt: skip
     parser.add_argument("--timeout", type=_positive, default=30.0, help="seconds per Prometheus request")
+    parser.add_argument(
+        "--price-per-gpu-hour", type=_price, default=None, metavar="PRICE",
+        help="show the goodput section's GPU-hours in money too (any currency)",
+    )  # fmt: skip
     return parser
 
 
@@ -80,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {exc.name or 'a plotting library'} is not installed: pip install 'rankscope[report]'",
               file=sys.stderr)  # fmt: skip
         return 1
-    request = ReportRequest(args.prometheus, args.out, args.run_id, args.log, args.attention, args.timeout)
+    request = ReportRequest(
+        args.prometheus, args.out, args.run_id, args.log, args.attention, args.timeout, args.price_per_gpu_hour
+    )
     try:
         report = build_report(request)
     except ReportError as exc:

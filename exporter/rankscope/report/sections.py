@@ -43,7 +43,7 @@ __all__ = [
 #: The straggler alert's line of the shipped rules: a rank this much slower than the median is a straggler.
 STRAGGLER_RATIO = Tunables().imbalance_ratio
 #: Section ids, in page order.
-SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "analyses", "attention")
+SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "goodput", "analyses", "attention")
 
 
 def utc(t: float) -> str:
