@@ -333,9 +333,11 @@ class CachedPage:
                 version = self._version()  # read first: a change during the render renders again next time
                 self._page, self._compressed = self._render(), None
                 self._rendered_at, self._rendered_version = now, version
+            page = self._page
+            assert page is not None  # rendered above when missing
             if not compressed:
-                return self._page
+                return page
             if self._compressed is None:
                 # Level 1: a tenth of level 9's CPU on these pages for most of its size reduction.
-                self._compressed = gzip.compress(self._page, compresslevel=1, mtime=0)
+                self._compressed = gzip.compress(page, compresslevel=1, mtime=0)
             return self._compressed

@@ -495,7 +495,7 @@ class HttpServer:
                 self._drop(conn)
                 return
             conn.feed(data)
-            if not (conn.tls and conn.sock.pending()):  # TLS may hold decrypted bytes select() cannot see
+            if not _pending(conn.sock):  # TLS may hold decrypted bytes select() cannot see
                 break
         self._dispatch(conn)
 
@@ -618,7 +618,7 @@ class HttpServer:
         for name, value in event.headers:
             key, text = name.decode("latin-1"), value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        peer = conn.sock.getpeercert() if conn.tls else None
+        peer = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
         return Request(
             event.method.decode("latin-1"),
             event.target.decode("latin-1"),
@@ -699,7 +699,7 @@ class HttpServer:
             conn, keep = self._returned.popleft()
             if keep:
                 self._wait(conn)
-                if conn.tls and conn.sock.pending():
+                if _pending(conn.sock):
                     self._readable(conn)  # decrypted bytes a worker left in the TLS buffer
                 else:
                     self._dispatch(conn)  # a pipelined request may be here already
@@ -778,6 +778,10 @@ class HttpServer:
                 self._wake()
                 return
         conn.sock.close()  # the I/O thread is gone: nobody else will
+
+
+def _pending(sock: socket.socket) -> bool:
+    return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
 
 
 def _declares_body(event: h11.Request) -> bool:

@@ -109,7 +109,7 @@ class TlsSettings:
         return [f for f in (self.cert_file, self.key_file, self.client_ca_file) if f]
 
     def _stamp(self) -> tuple:
-        stamp = []
+        stamp: list[tuple[int, int, int] | None] = []
         for name in self._files():
             try:
                 st = os.stat(name)
