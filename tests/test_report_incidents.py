@@ -140,3 +140,75 @@ def test_paused_intervals_come_from_the_paused_gauge() -> None:
     paused = Series({}, T0 + np.arange(20.0), np.array([0] * 5 + [1] * 6 + [0] * 9, dtype=float))
     found = find_incidents([], [], interval=EVAL, end=T0 + 20, paused=paused)
     assert found.paused == [(T0 + 5, T0 + 10)]
+
+
+def _demo_like_log(tmp_path):
+    """What the reference trainer logs around the demo's incident: NaN steps 300-304, the alert's reduce_lr,
+    an operator's refused reduce_lr, a pause held for 6 s, a resume (each action at its own settle time)."""
+    train = [{"type": "train", "step": s, "loss": None if 300 <= s <= 304 else 0.5, "lr": 1e-3 if s <= 310 else 5e-4,
+              "time": T0 + (s // 10) * 1.0} for s in range(1, 400)]  # fmt: skip
+    actions = [
+        {"type": "action", "step": 310, "id": "a-1", "action": "reduce_lr", "source": "alert", "result": "applied",
+         "reason": "alert:RankscopeNonFiniteSteps", "detail": "", "time": T0 + 31.4},
+        {"type": "action", "step": 369, "id": "a-2", "action": "reduce_lr", "source": "operator",
+         "result": "refused_cooldown", "reason": "operator:loss still high", "detail": "cooldown is 60s",
+         "time": T0 + 36.95},
+        {"type": "action", "step": 382, "id": "a-3", "action": "pause", "source": "operator", "result": "applied",
+         "reason": "operator:look at the loss", "detail": "", "time": T0 + 38.25},
+        {"type": "action", "step": 382, "id": "a-4", "action": "resume", "source": "operator", "result": "applied",
+         "reason": "operator:go on", "detail": "", "time": T0 + 44.3},
+    ]  # fmt: skip
+    # The log is appended in write order: the pause and resume records are both written after the hold.
+    return _log(tmp_path, [{"type": "start", "step": 0, "time": T0}, *train, *actions])
+
+
+def test_fault_to_action_is_measured_from_the_first_non_finite_step_when_the_run_log_shows_it(tmp_path) -> None:
+    alerts = [_alert("RankscopeNonFiniteSteps", "firing", [33, 34, 35, 36], severity="page", action="reduce_lr")]
+    counters = [_counter("reduce_lr", "applied", [(30, 0), (32, 1)])]
+    found = find_incidents(alerts, counters, interval=EVAL, end=T0 + 50, log=_demo_like_log(tmp_path))
+    applied = next(a for a in found.actions if a.result == "applied")
+    assert applied.cause is not None and applied.cause.onset == T0 + 33
+    # Step 300 is the first of the flush at T0 + 30 (steps 300-309): its time is spread to T0 + 29.1.
+    assert applied.first_sign_step == 300 and applied.first_sign == pytest.approx(T0 + 29.1)
+    assert applied.fault_to_action == pytest.approx(31.4 - 29.1)
+    assert [step for _, step in found.nonfinite] == [300, 301, 302, 303, 304]
+
+
+def test_without_a_first_sign_fault_to_action_runs_from_the_alert() -> None:
+    alerts = [_alert("RankscopeNonFiniteSteps", "firing", [10, 11, 12], severity="page", action="reduce_lr")]
+    found = find_incidents(alerts, [_counter("reduce_lr", "applied", [(9, 0), (13, 1)])], interval=EVAL, end=T0 + 20)
+    (action,) = found.actions
+    assert action.first_sign is None and action.fault_to_action == pytest.approx(3.0)
+
+
+def test_the_loss_series_non_finite_samples_are_the_first_sign_without_a_run_log() -> None:
+    alerts = [_alert("RankscopeNonFiniteSteps", "firing", [10, 11, 12], severity="page", action="reduce_lr")]
+    loss = Series({"split": "train"}, T0 + np.arange(0.0, 20.0), np.where(np.arange(20) == 8, np.nan, 0.5))
+    found = find_incidents(alerts, [_counter("reduce_lr", "applied", [(9, 0), (13, 1)])], interval=EVAL,
+                           end=T0 + 20, loss=loss)  # fmt: skip
+    assert found.actions[0].fault_to_action == pytest.approx(5.0)
+
+
+def test_operator_actions_take_their_step_time_and_reason_from_the_run_log_and_the_pause_its_own_span(
+    tmp_path,
+) -> None:
+    counters = [
+        _counter("reduce_lr", "refused_cooldown", [(35, 0), (37.5, 1)], source="operator"),
+        _counter("pause", "applied", [(38, 0), (39.5, 1)], source="operator"),
+        _counter("resume", "applied", [(44, 0), (45.5, 1)], source="operator"),
+    ]
+    step = Series({}, T0 + np.arange(0.0, 50.0), np.arange(0.0, 50.0) * 9)  # the scrape's step is later
+    # The gauge says paused from 40 to 45 (sampled late): the log's times win.
+    paused = Series({}, T0 + np.arange(0.0, 50.0), ((np.arange(50) >= 40) & (np.arange(50) <= 45)).astype(float))
+    found = find_incidents([], counters, interval=EVAL, end=T0 + 50, log=_demo_like_log(tmp_path),
+                           global_step=step, paused=paused)  # fmt: skip
+    by_id = {(a.action, a.result): a for a in found.actions}
+    refused = by_id[("reduce_lr", "refused_cooldown")]
+    assert (refused.step, refused.at, refused.source) == (369, T0 + 36.95, "operator")
+    assert refused.reason == "operator:loss still high (cooldown is 60s)"
+    assert refused.evidence == ["prometheus", "run log"]
+    pause = by_id[("pause", "applied")]
+    assert (pause.step, pause.at, pause.reason) == (382, T0 + 38.25, "operator:look at the loss")
+    assert found.paused == [(T0 + 38.25, T0 + 44.3)]
+    # The alert's reduce_lr is in the log once: its record, not a second one from the learning-rate drop.
+    assert [(a.action, a.result) for a in found.actions].count(("reduce_lr", "applied")) == 1

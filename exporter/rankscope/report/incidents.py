@@ -10,9 +10,16 @@ between, and the later scrape is the time it is known applied by. The run log
 sharpens that where it can: a checkpoint event has its exact time, step and
 reason (`alert:<name>` names the alert), a learning-rate drop in the per-step
 records gives the step a reduction took effect, the `finished` record the stop.
+A trainer that logs its control outcomes (`action` records: the id, result,
+reason and step `/v1/status` reports, at the time the action was settled) gives
+every action, refused ones included, its exact time, step and operator's reason;
+the log's pause/resume records then give the paused spans too.
+
 An alert-sourced action is attributed to the latest episode of an alert whose
-`action` label asks for it; its fault-to-action time is from the episode's onset
-to the action being applied on every rank.
+`action` label asks for it. Its fault-to-action time runs from the fault's first
+sign, where one is known (the first non-finite step before the alert, from the
+run log or else the loss series, for the non-finite alert), else from the
+episode's onset, to the action being applied on every rank.
 """
 
 from __future__ import annotations
@@ -26,10 +33,21 @@ import numpy as np
 from rankscope.report.runlog import RunLog
 from rankscope.report.series import Series
 
-__all__ = ["ActionEvent", "AlertEpisode", "Incidents", "action_events", "alert_episodes", "find_incidents"]
+__all__ = [
+    "NONFINITE_ALERT",
+    "ActionEvent",
+    "AlertEpisode",
+    "Incidents",
+    "action_events",
+    "alert_episodes",
+    "find_incidents",
+    "nonfinite_steps",
+]
 
 #: A learning rate below this fraction of the previous step's is a reduction (the cosine schedule moves ~0.1 %).
 LR_DROP = 0.9
+#: The alert whose fault has a first sign the report can see: a step with a non-finite loss.
+NONFINITE_ALERT = "RankscopeNonFiniteSteps"
 #: Labels that say which alert an episode is, beyond its name (the rest is shown but not needed).
 _NOT_IDENTITY = ("__name__", "alertstate")
 
@@ -90,11 +108,24 @@ class ActionEvent:
     cause: AlertEpisode | None = None
     evidence: list[str] = field(default_factory=list)
     """Where it was seen: "prometheus", "run log"."""
+    first_sign: float | None = None
+    """Time of the fault's first sign before its alert (the first non-finite step), when known."""
+    first_sign_step: int | None = None
+    exact: bool = False
+    """`at` is the settle time the run log recorded (not a scrape's)."""
+
+    @property
+    def fault_at(self) -> float | None:
+        """Where fault to action is measured from: the fault's first sign, else the alert's onset."""
+        if self.first_sign is not None:
+            return self.first_sign
+        return None if self.cause is None else self.cause.onset
 
     @property
     def fault_to_action(self) -> float | None:
-        """Seconds from the causing alert's onset to this action being applied (None unless it was)."""
-        return None if self.cause is None or self.result != "applied" else self.at - self.cause.onset
+        """Seconds from the fault (see `fault_at`) to this action being applied (None unless it was)."""
+        fault = self.fault_at
+        return None if fault is None or self.result != "applied" else self.at - fault
 
 
 @dataclass
@@ -105,6 +136,8 @@ class Incidents:
     """(time, reason) of every checkpoint the run log recorded."""
     paused: list[tuple[float, float]]
     """(from, to) while the run was paused."""
+    nonfinite: list[tuple[float, int | None]] = field(default_factory=list)
+    """(time, step) of every non-finite training step seen (the run log's, else the loss series' samples)."""
 
 
 def _split(times: np.ndarray, gap: float) -> list[np.ndarray]:
@@ -174,6 +207,22 @@ def action_events(counters: Sequence[Series]) -> list[ActionEvent]:
     return sorted(events, key=lambda e: e.at)
 
 
+def _control_actions(log: RunLog) -> list[ActionEvent]:
+    """The control outcomes the trainer logged (`action` records with a `result`), at their settle times."""
+    found = []
+    for record in log.of("action"):
+        if not isinstance(record.get("result"), str) or not isinstance(record.get("time"), int | float):
+            continue  # an older trainer's record: the action's name only, stamped when written
+        reason = str(record.get("reason") or "")
+        detail = str(record.get("detail") or "")
+        step = record.get("step")
+        found.append(ActionEvent(str(record.get("action", "?")), str(record.get("source") or "?"), record["result"],
+                                 float(record["time"]), step=step if isinstance(step, int) else None,
+                                 reason=f"{reason} ({detail})" if detail else reason, evidence=["run log"],
+                                 exact=True))  # fmt: skip
+    return found
+
+
 def _log_actions(log: RunLog) -> list[ActionEvent]:
     """Actions the run log shows: alert checkpoints, stops, learning-rate reductions, rollbacks, micro-batch cuts."""
     found = []
@@ -216,20 +265,31 @@ def _merge(prometheus: list[ActionEvent], logged: list[ActionEvent], slack: floa
     """Prometheus's events, sharpened by the log's matching ones; the log's others added."""
     unmatched = list(logged)
     for event in prometheus:
-        if event.result != "applied":
-            continue
         lo = (event.after if event.after is not None else event.at - slack) - slack
-        match = next((e for e in unmatched if e.action == event.action and lo <= e.at <= event.at + slack), None)
+        match = next((e for e in unmatched if e.action == event.action and e.result == event.result
+                      and lo <= e.at <= event.at + slack), None)  # fmt: skip
         if match is None:
             continue
         unmatched.remove(match)
         event.step = match.step
         event.reason = match.reason if match.reason else event.reason
-        # Both are "known applied by" times: the counter's scrape comes after the channel settled the
-        # action (its next agreement round), the log's record right after the step that applied it.
-        event.at = min(event.at, match.at)
+        event.source = match.source if match.source != "?" else event.source
+        # A logged settle time is exact; otherwise both are "known applied by" times: the counter's scrape
+        # comes after the channel settled the action, the log's record right after the step that applied it.
+        event.at = match.at if match.exact else min(event.at, match.at)
+        event.exact = match.exact
         event.evidence.append("run log")
     return sorted([*prometheus, *unmatched], key=lambda e: e.at)
+
+
+def _logged_actions(log: RunLog, slack: float) -> list[ActionEvent]:
+    """The logged control outcomes, plus what the log's other records show that they do not cover."""
+    control = _control_actions(log)
+    derived = [
+        e for e in _log_actions(log)
+        if not any(c.action == e.action and c.result == "applied" and abs(c.at - e.at) <= slack for c in control)
+    ]  # fmt: skip
+    return sorted([*control, *derived], key=lambda e: e.at)
 
 
 def _attribute(actions: list[ActionEvent], episodes: list[AlertEpisode], slack: float) -> None:
@@ -255,6 +315,46 @@ def _step_at(global_step: Series | None, t: float) -> int | None:
     return int(global_step.v[before][-1]) if before.any() else None
 
 
+def _logged_pauses(actions: list[ActionEvent], end: float) -> list[tuple[float, float]]:
+    """(pause, resume) from the logged outcomes: each applied pause to the next applied resume or stop."""
+    spans, since = [], None
+    for event in actions:
+        if not event.exact or event.result != "applied":
+            continue
+        if event.action == "pause" and since is None:
+            since = event.at
+        elif event.action in ("resume", "stop") and since is not None:
+            spans.append((since, event.at))
+            since = None
+    return spans + ([(since, end)] if since is not None else [])
+
+
+def nonfinite_steps(log: RunLog | None, loss: Series | None) -> list[tuple[float, int | None]]:
+    """(time, step) of the non-finite training steps: the run log's (each step's time spread between its
+    flushes), else the loss series' non-finite samples (known by that scrape)."""
+    if log is not None:
+        train = log.train()
+        if len(train["step"]):
+            bad = ~np.isfinite(train["loss"]) & np.isfinite(train["time"]) & np.isfinite(train["step"])
+            return [(float(t), int(s)) for t, s in zip(train["time"][bad], train["step"][bad], strict=True)]
+    if loss is None:
+        return []
+    return [(float(t), None) for t in loss.t[~np.isfinite(loss.v)]]
+
+
+def _first_signs(actions: list[ActionEvent], nonfinite: list[tuple[float, int | None]]) -> None:
+    """For an action the non-finite alert caused: the first non-finite step since the previous such action."""
+    previous = -math.inf
+    for event in sorted(actions, key=lambda e: e.at):
+        cause = event.cause
+        if cause is None or cause.alertname != NONFINITE_ALERT or event.result != "applied":
+            continue
+        signs = [(t, s) for t, s in nonfinite if previous < t <= cause.onset]
+        if signs:
+            event.first_sign, event.first_sign_step = signs[0]
+        previous = event.at
+
+
 def _paused(paused: Series | None) -> list[tuple[float, float]]:
     if paused is None or not len(paused):
         return []
@@ -272,18 +372,24 @@ def find_incidents(
     log: RunLog | None = None,
     global_step: Series | None = None,
     paused: Series | None = None,
+    loss: Series | None = None,
 ) -> Incidents:
-    """Alert episodes and control actions of a run, matched up (see the module docstring)."""
+    """Alert episodes and control actions of a run, matched up (see the module docstring); `loss` is the
+    training loss series (its non-finite samples are the fault's first sign when there is no run log)."""
     episodes = alert_episodes(alerts, interval, end)
     slack = 2 * interval + 1.0
-    actions = _merge(action_events(counters), _log_actions(log) if log else [], slack)
+    actions = _merge(action_events(counters), _logged_actions(log, slack) if log else [], slack)
     for event in actions:
         if event.step is None:
             event.step = _step_at(global_step, event.at)
     _attribute(actions, episodes, slack)
+    nonfinite = nonfinite_steps(log, loss)
+    _first_signs(actions, nonfinite)
     checkpoints = [
         (float(r["time"]), str(r.get("reason", "")))
         for r in (log.of("checkpoint") if log else [])
         if isinstance(r.get("time"), int | float)
     ]
-    return Incidents(episodes, actions, checkpoints, _paused(paused))
+    # The log's settle times are exact; the gauge is sampled once a scrape (and lags by its page cache).
+    pauses = _logged_pauses(actions, end) or _paused(paused)
+    return Incidents(episodes, actions, checkpoints, pauses, nonfinite)

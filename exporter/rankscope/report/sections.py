@@ -42,6 +42,21 @@ __all__ = [
 
 #: The straggler alert's line of the shipped rules: a rank this much slower than the median is a straggler.
 STRAGGLER_RATIO = Tunables().imbalance_ratio
+#: The page's definitions of its incident figures (docs/report.md says the same).
+FAULT_TO_ACTION = (
+    "Fault to action: from the fault's first sign where the report can see one (for the non-finite alert, the "
+    "first step with a non-finite loss: its time in the run log, spread evenly between two flushes of the log, "
+    "or else the first scrape whose loss was not finite) to the action applied on every rank. Where no first "
+    "sign is known it runs from the alert's onset: its first pending evaluation (its first firing one for a rule "
+    "without `for`). The column says which, and how the time splits up."
+)
+SETTLED_BY = (
+    "Settled by: the time the action's outcome was settled on every rank. From the run log's action records "
+    "(the trainer writes each outcome with its id, step, reason and settle time, as /v1/status reports them) it "
+    "is exact; from Prometheus alone it is the first scrape that counted the action, up to a scrape interval "
+    "late. Step: the step boundary the action was carried out at (/v1/status's step). Seen in: where the "
+    "action is recorded."
+)
 #: Section ids, in page order.
 SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "goodput", "analyses", "attention")
 
@@ -139,9 +154,8 @@ def incidents_section(ctx: Context) -> Section:
     return Section("incidents", "Incidents", [
         _fig(figure, "timeline of alerts and actions"),
         *_incident_tables(ctx.incidents, ctx.data.start),
-        Note("Fault to action: from the alert's first pending evaluation (the first time Prometheus saw the fault; "
-             "its first firing one for a rule without `for`) to the action applied on every rank, known to within "
-             "a scrape interval (closer where the run log has the record)."),
+        Paragraph(FAULT_TO_ACTION),
+        Paragraph(SETTLED_BY),
     ])  # fmt: skip
 
 
@@ -282,14 +296,21 @@ def _episode_state(episode: AlertEpisode) -> str:
 
 
 def _latency(event: ActionEvent) -> str:
-    """Fault to action, with where the time went when the alert had a pending phase."""
+    """Fault to action, from where it is measured, with where the time went."""
     value, cause = event.fault_to_action, event.cause
     if value is None or cause is None:
         return "-"
-    if cause.pending_at is None or cause.firing_at is None:
-        return f"{value:.1f} s"
-    return (f"{value:.1f} s (pending {cause.firing_at - cause.pending_at:.1f} s, "
-            f"firing to applied {event.at - cause.firing_at:.1f} s)")  # fmt: skip
+    parts = []
+    if event.first_sign is not None:
+        step = f" (step {event.first_sign_step})" if event.first_sign_step is not None else ""
+        parts.append(f"from the first non-finite step{step}; to the alert {cause.onset - event.first_sign:.1f} s")
+    else:
+        parts.append("from the alert's onset")
+    if cause.pending_at is not None and cause.firing_at is not None:
+        parts.append(f"pending {cause.firing_at - cause.pending_at:.1f} s")
+    if cause.firing_at is not None:
+        parts.append(f"firing to applied {event.at - cause.firing_at:.1f} s")
+    return f"{value:.1f} s ({', '.join(parts)})"
 
 
 def _incident_tables(incidents: Incidents, start: float) -> list[Table]:
