@@ -74,6 +74,7 @@ ACTION_COLORS = {
     "resume": "#8d99ae",
     "rollback": "#e76f51",
     "reduce_micro_batch": "#bc6c25",
+    "restart": "#3a86ff",
 }
 #: Actions named on the loss panel too: a rollback is where the curve jumps back to an earlier state.
 LOSS_PANEL_LABELS = frozenset({"rollback"})
@@ -100,6 +101,8 @@ _STYLE: Any = {  # matplotlib's stub wants its literal rc names as keys
 def _figure(height: float, width: float = WIDTH) -> Figure:
     with matplotlib.rc_context(_STYLE):
         figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    # The layout leaves no room for the last x tick label's overhang: keep 1.5 % of the width for it.
+    figure.get_layout_engine().set(rect=(0.0, 0.0, 0.985, 1.0))  # type: ignore[call-arg,union-attr]
     FigureCanvasAgg(figure)
     return figure
 
@@ -253,7 +256,7 @@ class Mark:
     until: float | None
     label: str
     color: str
-    kind: str  # "alert" or "action"
+    kind: str  # "alert", "action" or "nonfinite" (a training step with a non-finite loss)
 
 
 def marks_from(incidents: Incidents | None, interval: float = 0.0) -> list[Mark]:
@@ -270,12 +273,39 @@ def marks_from(incidents: Incidents | None, interval: float = 0.0) -> list[Mark]
         for a in incidents.actions
         if a.result == "applied"
     ]
+    marks += [Mark(t, None, "non-finite step", FIRING, "nonfinite") for t, _ in incidents.nonfinite]
     return marks
 
 
+#: Action labels closer than this fraction of the axis share one label ("pause, resume"): side by side they
+#: would run over each other (a rotated label is ~10 px wide; a half-width panel ~550 px).
+LABEL_GAP = 0.03
+
+
+def _label_groups(marks: Sequence[Mark], axis_x: TimeAxis) -> list[tuple[float, str, str]]:
+    """(x, text, colour) per group of nearby action lines, their names joined in time order."""
+    groups: list[list[Mark]] = []
+    for mark in sorted(marks, key=lambda m: m.t):
+        if groups and mark.t - groups[-1][-1].t <= LABEL_GAP * axis_x.span:
+            groups[-1].append(mark)
+        else:
+            groups.append([mark])
+    out = []
+    for group in groups:
+        names = list(dict.fromkeys(m.label for m in group))
+        color = group[0].color if len({m.color for m in group}) == 1 else "#333333"
+        out.append((axis_x.x(group[0].t), ", ".join(names), color))
+    return out
+
+
 def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: bool | frozenset[str] = False) -> None:
-    """Alerts as bars along the top, actions as dashed lines; `labels`: name every action line, or those in the set."""
+    """Alerts as bars along the top, actions as dashed lines; `labels`: name every action line, or those in the set.
+
+    Labels stand at the bottom of the plot (the legend sits at the top), nearby ones merged into one."""
+    named = []
     for mark in marks:
+        if mark.kind == "nonfinite":
+            continue  # the loss panels draw them (see _draw_nonfinite)
         if mark.kind == "alert":
             # A bar along the top edge, not a full-height shade: several alerts must not hide the lines.
             axis.axvspan(axis_x.x(mark.t), axis_x.x(mark.until or mark.t), ymin=0.97, ymax=1.0, color=mark.color,
@@ -283,9 +313,29 @@ def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: boo
         else:
             axis.axvline(axis_x.x(mark.t), color=mark.color, lw=1.0, ls="--", alpha=0.85)
             if labels is True or (labels and mark.label in labels):
-                axis.annotate(mark.label, (axis_x.x(mark.t), 1.0), xycoords=("data", "axes fraction"),
-                              xytext=(3, -3), textcoords="offset points", va="top", fontsize=7.5,
-                              color=mark.color, rotation=90)  # fmt: skip
+                named.append(mark)
+    for x, text, color in _label_groups(named, axis_x):
+        axis.annotate(text, (x, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 3), textcoords="offset points",
+                      va="bottom", ha="left", fontsize=7.5, color=color, rotation=90,
+                      bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})  # fmt: skip
+
+
+def _draw_nonfinite(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
+    """A red cross along the bottom edge at every step whose loss was not finite (it has no point to plot)."""
+    xs = [axis_x.x(m.t) for m in marks if m.kind == "nonfinite"]
+    if xs:
+        axis.plot(
+            xs,
+            [0.03] * len(xs),
+            transform=axis.get_xaxis_transform(),
+            ls="none",
+            marker="x",
+            ms=6,
+            mew=1.5,
+            color=FIRING,
+            label=f"non-finite loss ({len(xs)} step{'s' if len(xs) != 1 else ''})",
+            clip_on=False,
+        )
 
 
 def _empty(axis: Axes, title: str, why: str) -> None:
@@ -343,6 +393,7 @@ def _plot_loss(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequ
     if not drew:
         _empty(axis, "Loss", "no loss series in this run")
         return
+    _draw_nonfinite(axis, axis_x, marks)
     axis.set_title("Loss", loc="left")
     axis.set_ylabel("loss")
     axis.legend(loc="upper right")
@@ -414,8 +465,8 @@ def training_figure(inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Ma
 
 TIMINGS = (
     ("step", "Step time per rank (the same on every rank under DDP)"),
-    ("compute", "Compute time per rank (step - comm - data wait): the straggler stands out"),
-    ("comm", "All-reduce time per rank (fast ranks wait here for slow ones)"),
+    ("compute", "Compute time per rank (step - comm - data wait)"),
+    ("comm", "All-reduce time per rank (fast ranks wait for slow ones)"),
     ("data wait", "Data-loader wait per rank"),
 )
 
@@ -440,7 +491,7 @@ def rank_timings_figure(
             slow = [s for s in series if s.rank == straggler.rank]
             for s in slow:
                 axis.plot(axis_x.x(s.t), s.v, color=colors.get(s.rank), lw=2.6)
-            title = f"{title.split(':')[0]}: rank {straggler.rank} is the straggler"
+            title = f"Compute time per rank: rank {straggler.rank} is the straggler"
         axis.set_title(title, loc="left", fontsize=9.5)
         seconds_axis(axis, _values(series), "mean over the rate window")
         axis.set_ylim(bottom=0)
@@ -847,6 +898,43 @@ def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) 
 
 # --- the summary -------------------------------------------------------------------------------------------
 
+#: Rows between two lanes of action labels under the summary's action row.
+LANE_HEIGHT = 0.42
+#: Width of a character of the labels' 7.5 pt font, in inches (a generous estimate: labels must not touch).
+_CHAR_INCHES = 7.5 * 0.62 / 72
+#: The summary's full-width axes are about this wide, in inches.
+_TIMELINE_INCHES = WIDTH - 1.9
+
+
+def _action_labels(incidents: Incidents) -> list[tuple[Any, str]]:
+    """(event, label) per action, in time order; the label says the fault-to-action time and what from."""
+    out = []
+    for event in sorted(incidents.actions, key=lambda e: e.at):
+        label = event.action if event.result == "applied" else f"{event.action} ({event.result})"
+        if event.cause is not None and event.fault_to_action is not None:
+            since = "the first non-finite step" if event.first_sign is not None else event.cause.alertname
+            label += f": {_fmt_seconds(event.fault_to_action)} after {since}"
+        out.append((event, label))
+    return out
+
+
+def _lanes(labels: Sequence[tuple[Any, str]], axis_x: TimeAxis) -> list[int]:
+    """A lane per label (0 = nearest the row) such that labels on one lane do not run into each other."""
+    per_second = _TIMELINE_INCHES / axis_x.span
+    taken: list[list[tuple[float, float]]] = []  # per lane: the (from, to) of its labels, in inches
+    lanes = []
+    for event, label in labels:
+        x = axis_x.x(event.at) * per_second
+        width = (len(label) + 2) * _CHAR_INCHES
+        right = axis_x.x(event.at) > axis_x.span * 0.6  # drawn to the left of its marker (as summary_figure)
+        lo, hi = (x - width, x + 0.1) if right else (x - 0.1, x + width)
+        lane = next((i for i, spans in enumerate(taken) if all(lo > b or hi < a for a, b in spans)), len(taken))
+        if lane == len(taken):
+            taken.append([])
+        taken[lane].append((lo, hi))
+        lanes.append(lane)
+    return lanes
+
 
 @_styled
 def summary_figure(
@@ -859,8 +947,11 @@ def summary_figure(
     interval: float = 0.0,
 ) -> Figure:
     """The one-picture summary saved next to the report: loss, learning rate, compute per rank, incidents."""
-    figure = _figure(8.4)
-    grid = figure.add_gridspec(3, 2, height_ratios=[1.0, 1.0, 0.9])
+    labels = _action_labels(incidents)
+    lanes = _lanes(labels, axis_x)
+    extra = max(lanes, default=0)
+    figure = _figure(8.4 + 0.16 * extra)
+    grid = figure.add_gridspec(3, 2, height_ratios=[1.0, 1.0, 0.9 + 0.16 * extra])
     loss = figure.add_subplot(grid[0, 0])
     lr = figure.add_subplot(grid[0, 1], sharex=loss)
     ranks = figure.add_subplot(grid[1, :], sharex=loss)
@@ -900,22 +991,28 @@ def summary_figure(
         if episode.firing_at is not None:
             timeline.barh(y, max(episode.ended_at + interval - episode.firing_at, 0.5),
                           left=axis_x.x(episode.firing_at), height=0.5, color=FIRING)  # fmt: skip
-    for index, event in enumerate(incidents.actions):
+    y_actions = len(rows) - 1
+    for (event, label), lane in zip(labels, lanes, strict=True):
         color = ACTION_COLORS.get(event.action, "#555555")
-        timeline.plot(axis_x.x(event.at), len(rows) - 1, marker="D", ms=6, color=color, ls="none")
-        label = event.action if event.result == "applied" else f"{event.action} ({event.result})"
-        if event.cause is not None and event.fault_to_action is not None:
-            label += f": {_fmt_seconds(event.fault_to_action or 0.0)} after {event.cause.alertname}"
-        timeline.annotate(label, (axis_x.x(event.at), len(rows) - 1), xytext=(5, -7 if index % 2 == 0 else 7),
-                          textcoords="offset points", fontsize=7.5, color=color, va="center")  # fmt: skip
+        x = axis_x.x(event.at)
+        timeline.plot(x, y_actions, marker="D" if event.result == "applied" else "X", ms=6, color=color, ls="none")
+        # Each label on the first lane below the row where it runs over no other (lanes: _lanes).
+        y = y_actions + LANE_HEIGHT * (lane + 1)
+        if lane:
+            timeline.plot([x, x], [y_actions, y], color=color, lw=0.6, alpha=0.6)
+        right = x > axis_x.span * 0.6
+        timeline.annotate(label, (x, y), xytext=(-3 if right else 3, 0), textcoords="offset points", fontsize=7.5,
+                          color=color, va="center", ha="right" if right else "left")  # fmt: skip
     timeline.set_yticks(range(len(rows)), rows, fontsize=7.5)
-    timeline.set_ylim(len(rows) - 0.4, -0.6)
+    timeline.set_ylim(y_actions + LANE_HEIGHT * (extra + 1) + 0.35, -0.6)
     timeline.grid(axis="y", visible=False)
     quiet = not incidents.episodes and not incidents.actions
     timeline.set_title("No alert fired and no control action was taken" if quiet else
                        "Alerts (amber pending, red firing) and control actions", loc="left")  # fmt: skip
-    for axis in (loss, lr, ranks):
-        axis.tick_params(labelbottom=False)
+    ranks.tick_params(labelbottom=False)  # the timeline under it has the same axis
+    for axis in (loss, lr):
+        axis_x.apply(axis, label=False)
+        axis.tick_params(labelbottom=True)
     axis_x.apply(timeline)
     figure.suptitle(title, fontsize=11, fontweight="bold", x=0.01, ha="left")
     return figure
