@@ -115,3 +115,73 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_counted_and_timed_as_data_par
         step_sum = _value(page, "rankscope_step_duration_seconds_sum")
         assert 0 < comm_sum < step_sum
         assert _value(page, "rankscope_phase") is not None
+
+
+def _ddp_worker(rank: int, world: int, port: int, queue: Any, steps: int) -> None:
+    try:
+        _init(rank, world, port)
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        monitor = _monitor()
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)))
+        monitor.attach_comm_hook(model)
+        for _ in monitor.data(range(steps)):
+            with monitor.step():
+                model(torch.randn(8, 64)).sum().backward()
+        page = _page(monitor)
+        dist.barrier()
+        monitor.close()
+        dist.destroy_process_group()
+        queue.put({"rank": rank, "page": page})
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def test_ddp_buckets_are_timed_by_the_comm_hook_once_and_seen_by_the_view() -> None:
+    steps = 3
+    for result in _spawn(_ddp_worker, 2, steps):
+        page = result["page"]
+        # One source per metric: the DDP hook feeds the comm histogram (once per step), the view the counters.
+        assert _value(page, "rankscope_comm_duration_seconds_count") == steps, page
+        assert _value(page, "rankscope_compute_duration_seconds_count") == steps, page
+        assert _value(page, "rankscope_comm_duration_seconds_sum") < _value(page, "rankscope_step_duration_seconds_sum")
+        seconds = _value(page, "rankscope_collective_seconds_total", kind="all_reduce", dim="data")
+        assert seconds is not None and seconds > 0, page
+        assert _value(page, "rankscope_collectives_total", dim="data") >= steps, page
+
+
+def _tp_worker(rank: int, world: int, port: int, queue: Any, steps: int) -> None:
+    try:
+        _init(rank, world, port)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        monitor = _monitor()
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        monitor.watch_mesh(mesh)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        for _ in monitor.data(range(steps)):
+            with monitor.step():
+                model(torch.randn(4, 16)).sum().backward()
+        page = _page(monitor)
+        dist.barrier()
+        monitor.close()
+        dist.destroy_process_group()
+        queue.put({"rank": rank, "page": page})
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def test_tensor_parallel_collectives_are_labelled_with_the_tensor_dim() -> None:
+    for result in _spawn(_tp_worker, 4, 2):
+        page = result["page"]
+        assert _value(page, "rankscope_collectives_total", dim="tensor") >= 2, page
+        seconds = _value(page, "rankscope_collective_seconds_total", kind="all_reduce", dim="tensor")
+        assert seconds is not None and seconds > 0, page
