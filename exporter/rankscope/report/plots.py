@@ -239,6 +239,27 @@ def _rate_axis(axis: Axes, unit: str, label: str) -> None:
     axis.set_ylabel(label)
 
 
+#: A y axis spans at least this fraction of its values' magnitude: a 0.5 % wobble must not fill the panel.
+MIN_RELATIVE_SPAN = 0.2
+
+
+def _min_span(axis: Axes, values: Sequence[float], fraction: float = MIN_RELATIVE_SPAN) -> None:
+    """Widen the y limits around the data to at least `fraction` of its magnitude (never below zero for
+    positive data), so noise is drawn as noise."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return
+    lo, hi = min(finite), max(finite)
+    need = fraction * max(abs(lo), abs(hi))
+    if hi - lo >= need or need == 0:
+        return
+    middle = (lo + hi) / 2
+    bottom, top = middle - need / 2, middle + need / 2
+    if lo >= 0 and bottom < 0:
+        bottom, top = 0.0, need
+    axis.set_ylim(bottom, top)
+
+
 def _log_if_wide(axis: Axes, values: Sequence[float], ratio: float = 30.0) -> None:
     positive = [v for v in values if v > 0 and math.isfinite(v)]
     if positive and max(positive) / min(positive) > ratio:
@@ -650,6 +671,7 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
     if inputs.process_memory:
         _per_rank_lines(process, axis_x, inputs.process_memory, colors)
         bytes_axis(process, _values(inputs.process_memory), "resident set size")
+        _min_span(process, _values(inputs.process_memory))
         process.set_title("Process memory (RSS) per rank", loc="left")
         _draw_marks(process, axis_x, marks)
     else:
@@ -668,6 +690,7 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
                 label=f"rank {s.rank} {s.labels.get('kind')}" if len(allocated) <= LEGEND_RANKS else None,
             )
         bytes_axis(device, _values(allocated), "device memory")
+        _min_span(device, _values(allocated))
         title = "Device memory per rank (solid: allocated, dashed: reserved)"
         if inputs.gpu_utilization:
             twin = device.twinx()
@@ -691,7 +714,12 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
         speed.plot(axis_x.x(s.t), s.v, color="#1f77b4", label="samples/s (all ranks)")
         _rate_axis(speed, "/s", "samples per second")
         speed.set_ylim(bottom=0)
-        if inputs.tokens_rate is not None and len(inputs.tokens_rate):
+        per_sample = _constant_ratio(inputs.tokens_rate, s)
+        if per_sample is not None:
+            # Each sample is a fixed number of tokens: a second axis would draw tokens/s exactly over samples/s.
+            speed.plot([], [], " ", label=f"tokens/s = {per_sample:.4g} x samples/s throughout (not drawn twice)")
+            speed.legend(loc="lower right")
+        elif inputs.tokens_rate is not None and len(inputs.tokens_rate):
             twin = speed.twinx()
             twin.plot(axis_x.x(inputs.tokens_rate.t), inputs.tokens_rate.v, color="#ff7f0e", lw=1.0, ls="--",
                       label="tokens/s (all ranks)")  # fmt: skip
@@ -708,6 +736,20 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
     for axis in (device, speed):
         axis_x.apply(axis)
     return figure
+
+
+def _constant_ratio(a: Series | None, b: Series, tolerance: float = 0.01) -> float | None:
+    """a / b where it is the same (within `tolerance`) at every shared time with b > 0, else None."""
+    if a is None or not len(a):
+        return None
+    times = np.intersect1d(a.t, b.t)
+    x, y = a.at(times), b.at(times)
+    keep = np.isfinite(x) & np.isfinite(y) & (y > 0)
+    if keep.sum() < 2:
+        return None
+    ratio = x[keep] / y[keep]
+    middle = float(np.median(ratio))
+    return middle if middle > 0 and float(np.max(np.abs(ratio - middle))) <= tolerance * middle else None
 
 
 # --- incidents ----------------------------------------------------------------------------------------
@@ -830,6 +872,10 @@ def correlation_figure(x: np.ndarray, correlation: np.ndarray, axis_x: TimeAxis,
     return figure
 
 
+#: Below this spread (relative to its size) the sequence length is "constant": a scatter would be a cloud.
+MIN_LENGTH_SPREAD = 0.1
+
+
 @_styled
 def memory_vs_length_figure(pairs: dict[int, tuple[np.ndarray, np.ndarray]], x_label: str, y_label: str) -> Figure:
     """Memory against sequence length (or tokens per step), one colour per rank."""
@@ -838,12 +884,20 @@ def memory_vs_length_figure(pairs: dict[int, tuple[np.ndarray, np.ndarray]], x_l
     if not any(len(x) for x, _ in pairs.values()):
         _empty(axis, "Memory against sequence length", "no pair of memory and sequence-length series to compare")
         return figure
+    xs_all = np.concatenate([x for x, _ in pairs.values()])
+    low, high = float(np.min(xs_all)), float(np.max(xs_all))
+    if high - low < MIN_LENGTH_SPREAD * max(abs(high), 1e-12):
+        _empty(axis, "Memory against sequence length",
+               f"The sequence length hardly varied ({low:.3g} to {high:.3g}, {x_label}): too little to relate "
+               "memory to it. A run whose batches vary in length shows the relation here.")  # fmt: skip
+        return figure
     colors = rank_colors(pairs)
     ys = []
     for rank, (x, y) in sorted(pairs.items()):
         axis.scatter(x, y, s=9, color=colors[rank], alpha=0.6, label=f"rank {rank}", lw=0)
         ys += list(y)
     bytes_axis(axis, ys, y_label)
+    _min_span(axis, ys)
     axis.set_xlabel(x_label)
     axis.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_title("Memory against sequence length", loc="left")
@@ -863,6 +917,9 @@ def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) 
     token-to-token attention under them."""
     count = min(samples, snapshot.samples)
     has_image = snapshot.image_attention is not None
+    # One scale per row for all the samples shown, so one colour bar reads them all.
+    patches_top = max([float(snapshot.image_attention[i].max()) for i in range(count)] if has_image else [0.0])  # type: ignore[index]
+    text_top = max(float(snapshot.text_attention[i].max()) for i in range(count)) if count else 0.0
     figure = _figure(5.4 if has_image else 3.4)
     grid = figure.add_gridspec(2 if has_image else 1, 2 * count, height_ratios=[1.0, 1.9] if has_image else [1.0])
     for i in range(count):
@@ -873,7 +930,8 @@ def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) 
             picture.set_title("input", fontsize=7.5, fontweight="normal")
             heat = figure.add_subplot(grid[0, 2 * i + 1])
             patches = snapshot.image_attention[i]  # type: ignore[index]
-            heat.imshow(patches, cmap="inferno", vmin=0, vmax=max(float(patches.max()), 1e-9), interpolation="nearest")
+            patch_image = heat.imshow(patches, cmap="inferno", vmin=0, vmax=max(patches_top, 1e-9),
+                                      interpolation="nearest")  # fmt: skip
             heat.set_title("class token's attention", fontsize=7.5, fontweight="normal")
             for axis in (picture, heat):
                 axis.set_xticks([])
@@ -883,7 +941,7 @@ def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) 
         tokens = [t for t in snapshot.tokens[i] if t]
         n = len(tokens)
         matrix = snapshot.text_attention[i][:n, :n]
-        image = text.imshow(matrix, cmap="viridis", vmin=0, vmax=max(float(matrix.max()), 1e-9),
+        image = text.imshow(matrix, cmap="viridis", vmin=0, vmax=max(text_top, 1e-9),
                             interpolation="nearest")  # fmt: skip
         text.set_xticks(range(n), tokens, rotation=90, fontsize=7)
         text.set_yticks(range(n), tokens, fontsize=7)
@@ -892,6 +950,10 @@ def attention_figure(snapshot: AttentionSnapshot, samples: int = SHOWN_SAMPLES) 
         if i == count - 1:
             bar = figure.colorbar(image, ax=text, shrink=0.8, pad=0.02)
             bar.set_label("attention weight", fontsize=7)
+            if has_image:
+                bar = figure.colorbar(patch_image, ax=heat, shrink=0.9, pad=0.04)
+                bar.set_label("attention weight", fontsize=7)
+                bar.ax.tick_params(labelsize=6.5)
     figure.suptitle(f"Validation at step {snapshot.step}", fontsize=10, fontweight="bold", x=0.01, ha="left")
     return figure
 
