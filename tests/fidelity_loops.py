@@ -50,6 +50,10 @@ class Trace:
     """Failures the monitor counted (rankscope_monitor_errors_total, all probes): a fallback would hide them."""
     shared_clip: bool = False
     """Whether the clip and the module norms shared their norms (the path whose exactness is at stake)."""
+    module_norms: dict[str, float] = field(default_factory=dict)
+    """The last step's per-module gradient norms (rankscope_module_grad_norm), by module group."""
+    recorded_norm: float | None = None
+    """The last step's total gradient norm as the monitor recorded it (rankscope_grad_norm)."""
 
     def bits(self) -> tuple[list[bytes], list[bytes]]:
         """Losses and norms as their exact float64 bit patterns (NaN compares equal to the same NaN)."""
@@ -181,6 +185,18 @@ def _gpt_style_accumulation_with_a_hand_written_lr() -> Setup:
     return Setup(model, optimizer, loss, accumulation=3, lr_at=lr_at)
 
 
+def _mlp_for_tensor_parallel() -> Setup:
+    # Split column- then row-wise over the tensor-parallel mesh (tests/jobs/fidelity_job.py), the head too.
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    inputs = torch.randn(8, 16, 8)
+
+    def loss(m: nn.Module, step: int, micro: int) -> torch.Tensor:
+        return m(inputs[step % 8]).pow(2).mean() * 40
+
+    return Setup(model, optimizer, loss)
+
+
 ARCHETYPES: dict[str, Callable[[], Setup]] = {
     "mlp_frozen_two_groups": _mlp_with_frozen_layer_and_two_groups,
     "gpt2_tied_embeddings": _gpt2_with_tied_embeddings,
@@ -189,6 +205,7 @@ ARCHETYPES: dict[str, Callable[[], Setup]] = {
     "bf16_beside_fp32": _bf16_parameters_beside_fp32,
     "grad_scaler_overflows": _grad_scaler_with_overflows,
     "accumulation_hand_written_lr": _gpt_style_accumulation_with_a_hand_written_lr,
+    "tensor_parallel_mlp": _mlp_for_tensor_parallel,
 }
 
 #: Every optional probe on, at every step.
@@ -207,6 +224,14 @@ def monitor_for(rank: int = 0, world_size: int = 1, **config: Any) -> Monitor:
     return Monitor(MonitorConfig(**{**EVERYTHING_ON, **config}), identity, device="cpu")
 
 
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> Any:
+    """The same optimizer over the model's parameters after sharding replaced them (fully_shard and
+    parallelize_module swap each parameter for a DTensor one): same groups, same hyper-parameters."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    groups = [{**group, "params": [now[names[id(p)]] for p in group["params"]]} for group in optimizer.param_groups]
+    return type(optimizer)(groups)  # each group carries every hyper-parameter
+
+
 def train(
     archetype: str,
     monitored: bool,
@@ -216,16 +241,27 @@ def train(
     rank: int = 0,
     world_size: int = 1,
     accumulation: int | None = None,
+    shard: Callable[[nn.Module], Any] | None = None,
+    compiled: bool = False,
 ) -> Trace:
     """Train `archetype` for `steps` optimizer steps; `wrap` puts the model under DDP (the loop then
-    accumulates with no_sync on every micro-batch but the last); `accumulation` overrides the archetype's
-    number of micro-batches per step."""
+    accumulates with no_sync on every micro-batch but the last); `shard` shards it in place instead
+    (FSDP2, tensor parallel: the optimizer is rebuilt over the sharded parameters, and accumulation
+    turns gradient synchronisation off on every micro-batch but the last where the model allows it);
+    `accumulation` overrides the archetype's number of micro-batches per step; `compiled` trains
+    `torch.compile(model, fullgraph=True)` (a graph break, the monitor's or anyone's, raises)."""
     torch.manual_seed(seed)
     setup = ARCHETYPES[archetype]()
     if accumulation is not None:
         setup.accumulation = accumulation
+    if shard is not None:
+        names = {id(p): n for n, p in setup.model.named_parameters(remove_duplicate=False)}
+        shard(setup.model)
+        setup.optimizer = _rebuild_optimizer(setup.optimizer, names, setup.model)
     torch.manual_seed(seed + 1 + rank)  # the data-dependent randomness of training (dropout) per rank
     model = wrap(setup.model) if wrap is not None else setup.model
+    if compiled:
+        model = torch.compile(model, fullgraph=True)
     monitor = monitor_for(rank, world_size) if monitored else None
     if monitor is not None:
         monitor.watch(model, setup.optimizer, scaler=setup.scaler)
@@ -238,7 +274,7 @@ def train(
                 for group in setup.optimizer.param_groups:
                     group["lr"] = setup.lr_at(step)
             with monitor.step(max_seq_len=step + 1) if monitor is not None else _plain_step() as context:
-                loss = _forward_backward(setup, model, step, wrap is not None)
+                loss = _forward_backward(setup, model, step, wrap is not None or shard is not None)
                 if setup.scaler is not None:
                     setup.scaler.unscale_(setup.optimizer)
                 params = model.parameters()
@@ -256,8 +292,8 @@ def train(
                 if setup.scaler is not None:
                     setup.scaler.update()
                 setup.optimizer.zero_grad(set_to_none=True)
-            trace.losses.append(float(loss.detach()))
-            trace.norms.append(float(norm))
+            trace.losses.append(float(_whole(loss.detach())))
+            trace.norms.append(float(_whole(norm)))
     finally:
         if monitor is not None:
             errors = [
@@ -270,17 +306,35 @@ def train(
             trace.monitor_errors = sum(errors)
             trace.shared_clip = monitor._modules is not None and monitor._modules._sharing_exact
             trace.shared_clip = trace.shared_clip and monitor._modules._sharing_checked
+            monitor.flush()
+            trace.module_norms = {
+                sample.labels["module"]: sample.value
+                for family in monitor.registry.collect()
+                if family.name == "rankscope_module_grad_norm"
+                for sample in family.samples
+            }
+            trace.recorded_norm = monitor.registry.get_sample_value("rankscope_grad_norm", monitor.identity.labels())
             monitor.close()
-    trace.params = [p.detach().clone() for p in model.parameters()]
+    trace.params = [_whole(p.detach()).clone() for p in model.parameters()]
     return trace
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank calls this at the same point); a tensor itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
 def _forward_backward(setup: Setup, model: nn.Module, step: int, distributed: bool) -> torch.Tensor:
-    """All micro-batches of one step; under DDP every one but the last inside no_sync (no all-reduce)."""
+    """All micro-batches of one step; under DDP every one but the last inside no_sync (no all-reduce), under
+    FSDP2 with gradient synchronisation off (no reduce-scatter)."""
     total = None
     for micro in range(setup.accumulation):
         last = micro == setup.accumulation - 1
-        sync = contextlib.nullcontext() if last or not distributed else model.no_sync()
+        set_sync = getattr(model, "set_requires_gradient_sync", None)
+        if distributed and callable(set_sync):
+            set_sync(last)
+        sync = contextlib.nullcontext() if last or not distributed or set_sync else model.no_sync()
         with sync:
             loss = setup.loss(model, step, micro) / setup.accumulation
             (setup.scaler.scale(loss) if setup.scaler is not None else loss).backward()

@@ -82,3 +82,41 @@ def test_under_ddp_with_no_sync_accumulation_both_ranks_train_bit_identically(tm
     for rank in (0, 1):
         found = json.loads((out / f"rank{rank}.json").read_text())
         assert found and all(diffs == [] for diffs in found.values()), (rank, found)
+
+
+def test_a_compiled_model_trains_bit_identically_under_the_monitor_without_a_graph_break():
+    # fullgraph=True: a graph break anywhere in the forward (the monitor's hooks included) raises.
+    plain = train("mlp_frozen_two_groups", monitored=False, steps=6, compiled=True)
+    monitored = train("mlp_frozen_two_groups", monitored=True, steps=6, compiled=True)
+    assert differences(plain, monitored) == []
+    assert monitored.monitor_errors == 0 and monitored.shared_clip
+    assert set(monitored.module_norms) == {"2", "4"}  # the compiled wrapper's real layers, not `_orig_mod`
+
+
+def test_dynamo_sees_no_graph_break_in_a_watched_model_s_forward():
+    from tests.fidelity_loops import ARCHETYPES
+
+    setup = ARCHETYPES["tensor_parallel_mlp"]()
+    monitor = monitor_for()
+    monitor.watch(setup.model, setup.optimizer)
+    with monitor.step():
+        explained = torch._dynamo.explain(setup.model)(torch.randn(4, 8))
+    monitor.close()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("parallel", "ranks"), [("fsdp2", 2), ("tp", 4)])
+def test_under_fsdp2_and_tensor_parallel_every_rank_trains_bit_identically(tmp_path, parallel, ranks):
+    # fsdp2: per-block fully_shard + root, clipping, accumulation with sync off, a bf16 mixed-precision
+    # policy; tp: a 2-D (data x tensor) mesh, parallelize_module alone and under FSDP2. Module norms are
+    # checked to be of whole parameters (their root-sum-square is torch's total norm).
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "job.log"
+    job = ["tests/jobs/fidelity_job.py", "--out", str(out), "--parallel", parallel, "--steps", "6"]
+    proc = torchrun(ranks, job, free_port(), log=log)
+    assert proc.wait(timeout=600) == 0, tail(log)
+    for rank in range(ranks):
+        found = json.loads((out / f"rank{rank}.json").read_text())
+        assert found and all(diffs == [] for diffs in found.values()), (rank, found)

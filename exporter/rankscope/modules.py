@@ -46,11 +46,12 @@ Sink = Callable[[str, list[str], torch.Tensor], None]  # (metric suffix, group n
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP and FSDP-style wrappers keep the real model in `.module`, their only child; a model of the
-    # user's that merely has a child called `module` beside others is not a wrapper.
-    inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module) and [child for _, child in model.named_children()] == [inner]:
-        return inner
+    # DDP and FSDP-style wrappers keep the real model in `.module`, torch.compile's in `._orig_mod`, their
+    # only child; a model of the user's that merely has a child called `module` beside others is not one.
+    for attribute in ("module", "_orig_mod"):
+        inner = getattr(model, attribute, None)
+        if isinstance(inner, nn.Module) and [child for _, child in model.named_children()] == [inner]:
+            return _unwrap(inner)
     return model
 
 
