@@ -103,6 +103,8 @@ EFFECTS = {
 }
 #: The straggler alert, by name for the run report (rankscope.report), which names its episodes' ranks.
 IMBALANCE_ALERT = "RankscopeRankImbalance"
+#: The non-finite alert, by name for the run report, which times its fault from the first non-finite step.
+NONFINITE_ALERT = "RankscopeNonFiniteSteps"
 #: Alertmanager inhibitions: (source alert, target alerts). A dead rank stalls the whole run (its peers block
 #: in the next collective) and makes the compute-time comparison meaningless: page once, for the cause.
 INHIBITIONS = (

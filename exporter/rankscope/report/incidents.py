@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rankscope.mixin.config import NONFINITE_ALERT
 from rankscope.report.runlog import RunLog
 from rankscope.report.series import Series
 
@@ -46,8 +47,6 @@ __all__ = [
 
 #: A learning rate below this fraction of the previous step's is a reduction (the cosine schedule moves ~0.1 %).
 LR_DROP = 0.9
-#: The alert whose fault has a first sign the report can see: a step with a non-finite loss.
-NONFINITE_ALERT = "RankscopeNonFiniteSteps"
 #: Labels that say which alert an episode is, beyond its name (the rest is shown but not needed).
 _NOT_IDENTITY = ("__name__", "alertstate")
 
