@@ -83,3 +83,13 @@ def test_nvml_probe_raises_unavailable_without_a_gpu():
 
 def test_device_memory_probe_is_silent_on_cpu():
     assert list(DeviceMemoryProbe(torch.device("cpu")).sample()) == []
+
+
+def test_host_probe_reports_the_hosts_cpu_load_per_cpu(monkeypatch):
+    """A step-time rise caused by other processes on the machine must be visible: the load per CPU."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 1.0, 0.5))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monitor = Monitor(MonitorConfig(base_port=0, probes=("host",)), IDENTITY, device="cpu")
+    assert monitor.registry.get_sample_value("rankscope_host_cpu_load_ratio", LABELS) == 1.5

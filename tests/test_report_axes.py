@@ -46,7 +46,7 @@ def test_tokens_per_second_proportional_to_samples_per_second_is_one_line_and_a_
     tokens = Series({}, TIMES, samples.v * 12.0)
     figure = plots.resources_figure(plots.ResourceInputs(samples_rate=samples, tokens_rate=tokens), AXIS)
     speed = figure.axes[3]
-    assert len(figure.axes) == 4, "a second y axis draws tokens/s over samples/s"
+    assert not [a for a in figure.axes if a.get_ylabel() == "tokens per second"], "tokens/s drawn over samples/s"
     assert any("tokens/s = 12 x samples/s" in t.get_text() for t in speed.get_legend().get_texts())
 
 
@@ -79,3 +79,19 @@ def test_a_cpu_run_has_no_cuda_version_row_and_a_gpu_run_has() -> None:
     device = [_rank(0, np.full(len(TIMES), GIB), kind="allocated")]
     gpu = dict(sections.facts(_run_data(device_memory=device), None, quiet, straggler([])))
     assert gpu["cuda_version"] == "13.0"
+
+
+def test_the_hosts_cpu_load_is_drawn_beside_the_step_time_and_its_absence_is_explained() -> None:
+    load = [Series({"node": "n0"}, TIMES, np.where(TIMES > T0 + 150, 2.5, 0.4))]  # another job starts at 2:30
+    steps = [_rank(r, np.where(TIMES > T0 + 150, 0.3, 0.1)) for r in range(2)]
+    figure = plots.resources_figure(plots.ResourceInputs(host_load=load, step_time=steps), AXIS)
+    panel = next(a for a in figure.axes if a.get_title(loc="left").startswith("Host CPU load"))
+    drawn = [line for line in panel.get_lines() if len(line.get_xdata()) == len(TIMES)]
+    assert len(drawn) == 1 and float(np.max(drawn[0].get_ydata())) == 2.5
+    assert any(a.get_ylabel() == "step time (dashed)" for a in figure.axes)
+    legend = [t.get_text() for t in panel.get_legend().get_texts()]
+    assert "load, node n0" in legend and "step time (median over ranks)" in legend
+
+    without = plots.resources_figure(plots.ResourceInputs(), AXIS)
+    words = " ".join(t.get_text() for a in without.axes for t in a.texts)
+    assert "no rankscope_host_cpu_load_ratio series" in words

@@ -61,6 +61,8 @@ def texts(figure: Figure) -> list[Text]:
         for axis in (axes.xaxis, axes.yaxis):
             for tick in axis.get_major_ticks() + axis.get_minor_ticks():
                 ticks.update({id(tick.label1), id(tick.label2)})
+            if not (axes.get_visible() and axis.get_visible()):  # a twin's shared x axis is not drawn
+                continue
             for tick in axis._update_ticks():  # type: ignore[attr-defined]  # the ticks it draws
                 drawn += [label for label in (tick.label1, tick.label2) if label.get_visible()]
     found = figure.findobj(lambda a: isinstance(a, Text) and a.get_visible() and id(a) not in ticks)
@@ -119,3 +121,13 @@ def test_the_ranks_titles_fit_their_panels() -> None:
         for axis in figure.axes:
             title = axis.title if axis.title.get_text() else axis._left_title  # type: ignore[attr-defined]
             assert title.get_window_extent().x1 <= axis.get_position().x1 * figure.bbox.width + 30, title.get_text()
+
+
+def test_the_resources_figure_with_the_hosts_load_has_no_overlapping_labels() -> None:
+    load = [Series({"node": "n0"}, TIMES, np.where(TIMES > T0 + 150, 2.5, 0.4))]
+    steps = compute_per_rank(TIMES, 2)
+    memory = [Series({"rank": str(r), "node": "n0"}, TIMES, np.full(len(TIMES), 1.1e9)) for r in range(2)]
+    inputs = plots.ResourceInputs(host_memory=[Series({"node": "n0"}, TIMES, np.full(len(TIMES), 0.4))],
+                                  process_memory=memory, host_load=load, step_time=steps,
+                                  samples_rate=Series({}, TIMES, np.full(len(TIMES), 90.0)))  # fmt: skip
+    assert_no_overlaps(plots.resources_figure(inputs, AXIS, plots.marks_from(demo_incidents(), 1.0)))

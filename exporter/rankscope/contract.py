@@ -294,6 +294,14 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="probe",
     ),
     _m("host_memory_used_ratio", _G, "Fraction of the host's memory in use (psutil).", unit="ratio", source="probe"),
+    _m(
+        "host_cpu_load_ratio",
+        _G,
+        "The host's 1-minute load average over its CPU count (os.getloadavg): above 1, more runnable "
+        "processes than CPUs, so other processes can slow the step.",
+        unit="ratio",
+        source="probe",
+    ),
     _m("process_resident_memory_bytes", _G, "Resident set size of this rank's process.", unit="bytes", source="probe"),
     _m(
         "gpu_utilization_ratio", _G, "GPU utilisation over the last sample period (NVML).", unit="ratio", source="probe"

@@ -7,6 +7,7 @@ raises ProbeUnavailable once and is switched off. Training never notices.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,15 @@ class Probe:
         raise NotImplementedError
 
 
+def host_cpu_load() -> float | None:
+    """The 1-minute load average over the host's CPU count; None where the OS has no load average."""
+    try:
+        one_minute = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows; or /proc unreadable
+        return None
+    return one_minute / (os.cpu_count() or 1)
+
+
 class HostMemoryProbe(Probe):
     name = "host"
 
@@ -60,6 +70,9 @@ class HostMemoryProbe(Probe):
 
     def sample(self) -> Iterable[Sample]:
         yield Sample(PREFIX + "host_memory_used_ratio", psutil.virtual_memory().percent / 100.0)
+        load = host_cpu_load()
+        if load is not None:
+            yield Sample(PREFIX + "host_cpu_load_ratio", load)
         yield Sample(PREFIX + "process_resident_memory_bytes", float(self._process.memory_info().rss))
 
 

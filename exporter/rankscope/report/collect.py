@@ -42,6 +42,7 @@ RANGE_QUERIES: dict[str, str] = {
     "comm_time": _mean("rankscope_comm_duration_seconds"),
     "data_wait": _mean("rankscope_data_wait_seconds"),
     "host_memory": "max by (node) (rankscope_host_memory_used_ratio{$SEL})",
+    "host_load": "max by (node) (rankscope_host_cpu_load_ratio{$SEL})",
     "process_memory": "max by (rank, node) (rankscope_process_resident_memory_bytes{$SEL})",
     "device_memory": "max by (rank, node, kind) (rankscope_device_memory_bytes{$SEL})",
     "gpu_utilization": "max by (rank, node) (rankscope_gpu_utilization_ratio{$SEL})",

@@ -644,13 +644,20 @@ class ResourceInputs:
     gpu_utilization: list[Series] = field(default_factory=list)
     samples_rate: Series | None = None
     tokens_rate: Series | None = None
+    host_load: list[Series] = field(default_factory=list)
+    """Per node: the 1-minute load average over the CPU count (rankscope_host_cpu_load_ratio)."""
+    step_time: list[Series] = field(default_factory=list)
+    """Per rank: mean step time, drawn beside the load so a rise caused by other processes shows as such."""
 
 
 @_styled
 def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[Mark] = ()) -> Figure:
-    """Host and process memory, device memory, GPU utilisation (where present), throughput."""
-    figure = _figure(7.2)
-    (host, process), (device, speed) = figure.subplots(2, 2, sharex=True)
+    """Host and process memory, device memory, GPU utilisation (where present), throughput, the host's load."""
+    figure = _figure(10.4)
+    grid = figure.add_gridspec(3, 2)
+    host = figure.add_subplot(grid[0, 0])
+    process, device, speed = (figure.add_subplot(grid[i, j], sharex=host) for i, j in ((0, 1), (1, 0), (1, 1)))
+    load = figure.add_subplot(grid[2, :], sharex=host)
     ranks = [s.rank for group in (inputs.process_memory, inputs.device_memory, inputs.gpu_utilization)
              for s in group if s.rank is not None]  # fmt: skip
     colors = rank_colors(ranks)
@@ -733,9 +740,52 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
         _draw_marks(speed, axis_x, marks)
     else:
         _empty(speed, "Throughput", "no rankscope_samples_total series")
-    for axis in (device, speed):
-        axis_x.apply(axis)
+    _plot_host_load(load, inputs, axis_x, marks)
+    for axis in (host, process, device, speed):
+        axis_x.apply(axis, label=False)
     return figure
+
+
+def _plot_host_load(axis: Axes, inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
+    """The machine's own load per node (1 = as many runnable processes as CPUs), the step time beside it."""
+    if not inputs.host_load:
+        _empty(axis, "Host CPU load", "no rankscope_host_cpu_load_ratio series (the host probe is off, or the "
+               "exporter predates it): the machine's own load cannot be shown")  # fmt: skip
+        axis_x.apply(axis)
+        return
+    for i, s in enumerate(inputs.host_load):
+        axis.plot(
+            axis_x.x(s.t),
+            s.v,
+            color=matplotlib.colormaps["Dark2"](i % 8),
+            label=f"load, node {s.labels.get('node', '?')}",
+        )
+    axis.axhline(1.0, color="#555555", lw=0.8, ls=":", label="as many runnable processes as CPUs")
+    loads = _values(inputs.host_load)
+    axis.set_ylim(0, max(1.2, 1.1 * max(loads, default=0.0)))
+    axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_ylabel("1-min load / CPUs")
+    lines = axis.get_lines()
+    if inputs.step_time:
+        twin = axis.twinx()
+        times = times_union(inputs.step_time)
+        with np.errstate(all="ignore"):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                median = np.nanmedian(np.vstack([s.at(times) for s in inputs.step_time]), axis=0)
+        twin.plot(axis_x.x(times), median, color="#1f77b4", lw=1.0, ls="--", label="step time (median over ranks)")
+        seconds_axis(twin, [float(v) for v in median if math.isfinite(v)], "step time (dashed)")
+        twin.set_ylim(bottom=0)
+        twin.grid(False)
+        twin.spines["right"].set_visible(True)
+        lines = lines + twin.get_lines()
+    axis.legend(lines, [line.get_label() for line in lines], loc="upper left", ncols=2)
+    axis.set_title("Host CPU load per node: a step-time rise with the load above 1 is other processes' doing",
+                   loc="left")  # fmt: skip
+    _draw_marks(axis, axis_x, marks)
+    axis_x.apply(axis)
 
 
 def _constant_ratio(a: Series | None, b: Series, tolerance: float = 0.01) -> float | None:

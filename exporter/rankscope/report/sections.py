@@ -144,9 +144,12 @@ def resources(ctx: Context) -> Section:
         gpu_utilization=data.get("gpu_utilization"),
         samples_rate=data.one("samples_rate"),
         tokens_rate=data.one("tokens_rate"),
+        host_load=data.get("host_load"),
+        step_time=data.get("step_time"),
     )
     figure = plots.resources_figure(inputs, ctx.axis, ctx.marks)
-    return Section("resources", "Resources", [_fig(figure, "host, process and device memory, GPU use, throughput")])
+    alt = "host, process and device memory, GPU use, throughput, the host's CPU load"
+    return Section("resources", "Resources", [_fig(figure, alt)])
 
 
 def incidents_section(ctx: Context) -> Section:
