@@ -95,3 +95,19 @@ def test_the_hosts_cpu_load_is_drawn_beside_the_step_time_and_its_absence_is_exp
     without = plots.resources_figure(plots.ResourceInputs(), AXIS)
     words = " ".join(t.get_text() for a in without.axes for t in a.texts)
     assert "no rankscope_host_cpu_load_ratio series" in words
+
+
+def test_no_section_is_empty_without_saying_why() -> None:
+    from rankscope.report.html import Figure, Note, Paragraph, Section
+
+    ctx = sections.Context(_run_data(), None, Incidents([], [], [], []), straggler([]))
+    page = [sections.overview(ctx, b"png"), sections.training(ctx), sections.ranks(ctx), sections.resources(ctx),
+            sections.incidents_section(ctx), sections.analyses(ctx), sections.attention([], [], None),
+            sections.explain_empty(Section("goodput", "Goodput", []), "r")]  # fmt: skip
+    for section in page:
+        words = [b.text for b in section.blocks if isinstance(b, Note | Paragraph)]
+        assert words or any(isinstance(b, Figure) for b in section.blocks), f"{section.id} is empty"
+    incidents = page[4]
+    notes = " ".join(b.text for b in incidents.blocks if isinstance(b, Note))
+    assert "No alert was pending or firing" in notes and "No control action was settled" in notes
+    assert "Nothing to show for run r" in page[-1].blocks[0].text  # type: ignore[union-attr]

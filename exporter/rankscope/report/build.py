@@ -108,6 +108,7 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
         sections.analyses(ctx),
         sections.attention(snapshots, skipped, attention_dir),
     ]
+    page_sections = [sections.explain_empty(s, run.run_id) for s in page_sections]
     if log is not None and not log.records:
         note = f"The run log {request.log} has no record from this run's time window (another run's log?)."
         page_sections[0].blocks.insert(0, Note(note + " Only Prometheus's data is shown."))

@@ -31,6 +31,7 @@ __all__ = [
     "analyses",
     "attention",
     "duration",
+    "explain_empty",
     "facts",
     "incidents_section",
     "overview",
@@ -59,6 +60,14 @@ SETTLED_BY = (
 )
 #: Section ids, in page order.
 SECTIONS = ("overview", "training", "ranks", "resources", "incidents", "goodput", "analyses", "attention")
+
+
+def explain_empty(section: Section, run_id: str) -> Section:
+    """A section left with nothing to show says so (every part of the page says why it is empty)."""
+    if not section.blocks:
+        section.blocks.append(Note(f"Nothing to show for run {run_id}: none of this section's series is in "
+                                   "Prometheus for it, and the run log has none of its records."))  # fmt: skip
+    return section
 
 
 def utc(t: float) -> str:
@@ -316,7 +325,7 @@ def _latency(event: ActionEvent) -> str:
     return f"{value:.1f} s ({', '.join(parts)})"
 
 
-def _incident_tables(incidents: Incidents, start: float) -> list[Table]:
+def _incident_tables(incidents: Incidents, start: float) -> list[Table | Note]:
     def since(t: float | None) -> str:
         return "" if t is None else plots.clock(t - start)
 
@@ -333,7 +342,14 @@ def _incident_tables(incidents: Incidents, start: float) -> list[Table]:
          for a in incidents.actions],
         caption="Control actions (rankscope_control_actions_total, sharpened by the run log where it has them)",
     )  # fmt: skip
-    return [t for t in (episodes, actions) if t.rows]
+    blocks: list = [t for t in (episodes, actions) if t.rows]
+    if not episodes.rows:
+        blocks.append(Note("No alert was pending or firing during this run: Prometheus's ALERTS series has no "
+                           "sample with its run_id (is the rule pack loaded? `promtool check rules`)."))  # fmt: skip
+    if not actions.rows:
+        blocks.append(Note("No control action was settled during this run: rankscope_control_actions_total "
+                           "never increased and the run log has no action record."))  # fmt: skip
+    return blocks
 
 
 def _attention_blocks(snapshots: list[AttentionSnapshot], skipped: list[str], where: Path | None) -> list:
