@@ -762,7 +762,7 @@ def _plot_host_load(axis: Axes, inputs: ResourceInputs, axis_x: TimeAxis, marks:
         )
     axis.axhline(1.0, color="#555555", lw=0.8, ls=":", label="as many runnable processes as CPUs")
     loads = _values(inputs.host_load)
-    axis.set_ylim(0, max(1.2, 1.1 * max(loads, default=0.0)))
+    axis.set_ylim(0, 1.35 * max(1.0, *loads))  # headroom: the legend sits at the top
     axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_ylabel("1-min load / CPUs")
     lines = axis.get_lines()
@@ -776,8 +776,9 @@ def _plot_host_load(axis: Axes, inputs: ResourceInputs, axis_x: TimeAxis, marks:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 median = np.nanmedian(np.vstack([s.at(times) for s in inputs.step_time]), axis=0)
         twin.plot(axis_x.x(times), median, color="#1f77b4", lw=1.0, ls="--", label="step time (median over ranks)")
-        seconds_axis(twin, [float(v) for v in median if math.isfinite(v)], "step time (dashed)")
-        twin.set_ylim(bottom=0)
+        finite = [float(v) for v in median if math.isfinite(v)]
+        seconds_axis(twin, finite, "step time (dashed)")
+        twin.set_ylim(0, 1.35 * max(finite, default=1.0))
         twin.grid(False)
         twin.spines["right"].set_visible(True)
         lines = lines + twin.get_lines()
