@@ -25,6 +25,7 @@ records by default (gloo included); 0 switches it off. Call `enable_collective_v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -147,7 +148,7 @@ class CollectiveView:
         self.enabled, self.why_off = recorder_state()
         self._lock = threading.Lock()
         self._group_dim: dict[str, str] = {"0": "data"}  # process group name -> dim ("0": the default group)
-        self._hooked: set[int] = set()  # id() of process groups with our hooks
+        self._hooked: dict[int, Any] = {}  # id() -> process groups with our hooks
         self._groups_seen = -1
         self._timing = True  # hooks are how gloo groups are timed
         self._nccl = False  # an NCCL group exists: per-step time would miss its collectives
@@ -209,8 +210,16 @@ class CollectiveView:
             self._timing = False
             logger.warning("rankscope: collective timing hooks unavailable (counts still from FR): %r", exc)
 
+    def close(self) -> None:
+        """Remove the hooks from every process group (`attach_groups` puts them back)."""
+        for group in self._hooked.values():
+            with contextlib.suppress(Exception):  # a group destroyed already has nothing to remove
+                group.unregister_post_hook(_HOOK_ID)
+        self._hooked.clear()
+        self._groups_seen = -1
+
     def _hook(self, group: Any) -> None:
-        self._hooked.add(id(group))
+        self._hooked[id(group)] = group
         backend = str(group.name() if callable(getattr(group, "name", None)) else "").lower()
         if "nccl" in backend:
             self._nccl = True

@@ -185,6 +185,8 @@ class Monitor:
         self.flush()
         if self._modules is not None:
             self._modules.close()
+        if self.collectives is not None:
+            self.collectives.close()  # the process groups outlive the monitor: take our hooks off them
         if self._goodput_flusher is not None:
             self._goodput_flusher.close()
             self._goodput_flusher = None
