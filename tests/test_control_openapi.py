@@ -248,7 +248,10 @@ PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 def test_an_action_body_is_accepted_exactly_when_the_schema_accepts_it(wsgi_call, body):
     app, deps = fresh_app()
     status, _, answer = wsgi_call(app, "POST", "/v1/actions", body, AUTH)
-    if validator("ActionRequest").is_valid(body):
+    if status == 413:  # a generated body past control.max_body_bytes: refused before it is read as JSON
+        assert "exceeds the limit" in answer["error"], answer
+        assert deps.queue.snapshot()["pending"] == []
+    elif validator("ActionRequest").is_valid(body):
         assert status == 202, (body, answer)
     else:
         assert status in (400, 422), (body, answer)
@@ -261,7 +264,9 @@ def test_an_action_body_is_accepted_exactly_when_the_schema_accepts_it(wsgi_call
 def test_a_notification_the_schema_refuses_is_refused_and_one_it_accepts_is_never_a_400(wsgi_call, body):
     app, deps = fresh_app()
     status, _, answer = wsgi_call(app, "POST", "/v1/alerts", body, AUTH)
-    if validator("AlertmanagerPayload").is_valid(body):
+    if status == 413:  # a generated body past control.max_body_bytes: refused before it is read as JSON
+        assert "exceeds the limit" in answer["error"], answer
+    elif validator("AlertmanagerPayload").is_valid(body):
         assert status in (200, 202, 422), (body, answer)  # 422: an action label the trainer does not know
     else:
         assert status in (400, 422), (body, answer)
