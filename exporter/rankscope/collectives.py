@@ -159,7 +159,9 @@ class CollectiveView:
         self._untimed = 0  # collectives whose completion torch does not report (see _issued)
         # Read side (metrics thread only).
         self._last_record = -1
-        self._started: dict[str, int] = {}
+        # Per process group, the highest (collective, p2p) sequence ids seen: how many it started, however
+        # many records the ring buffer dropped between two reads.
+        self._seq: dict[str, tuple[int, int]] = {}
         self._fr_seconds: dict[tuple[str, str], float] = {}  # NCCL durations from FR
         self._open_nccl: dict[int, tuple[str, str]] = {}  # NCCL records not finished at the last read
         self.in_flight: InFlight | None = None
@@ -323,10 +325,13 @@ class CollectiveView:
             record = int(entry.get("record_id", -1))
             group, _desc = _pg_of(entry)
             finished = bool(entry.get("retired")) or entry.get("state") == "completed"
+            seq = self._seq.get(group, (0, 0))
+            collective, p2p = int(entry.get("collective_seq_id") or 0), int(entry.get("p2p_seq_id") or 0)
+            if collective > seq[0] or p2p > seq[1]:
+                self._seq[group] = (max(seq[0], collective), max(seq[1], p2p))
             if record > last:
                 self._last_record = max(self._last_record, record)
                 dim = self.dim_of(group)
-                self._started[dim] = self._started.get(dim, 0) + 1
                 if entry.get("duration_ms") is None and not finished and "nccl" in str(entry.get("profiling_name")):
                     self._open_nccl[record] = (kind_of(str(entry.get("profiling_name", ""))), dim)
                 elif entry.get("duration_ms") is not None:
@@ -354,8 +359,12 @@ class CollectiveView:
         self._fr_seconds[key] = self._fr_seconds.get(key, 0.0) + float(entry["duration_ms"]) / 1e3
 
     def started_by_dim(self) -> dict[str, int]:
-        """Collectives started by this rank, per dim, as of the last read."""
-        return dict(self._started)
+        """Collectives started by this rank, per dim, as of the last read (from FR's sequence ids)."""
+        started: dict[str, int] = {}
+        for group, (collective, p2p) in self._seq.items():
+            dim = self.dim_of(group)
+            started[dim] = started.get(dim, 0) + collective + p2p
+        return started
 
     def seconds_by_kind_dim(self) -> dict[tuple[str, str], float]:
         """Seconds in collectives per (kind, dim): hook-timed (gloo) plus FR-timed (NCCL), disjoint groups."""
