@@ -83,7 +83,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # the standalone package has the same API
     try:
-        import pytorch_lightning as pl
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its standalone name
     except ImportError:
         raise ImportError(
             "rankscope.integrations.lightning.callback needs PyTorch Lightning: pip install 'rankscope[lightning]'"
@@ -309,6 +309,7 @@ class RankscopeCallback(CallbackParts, pl.Callback):
     def _end_step(self) -> None:
         """Record the step that the optimizer just completed and close it (always, even if recording fails)."""
         step, self._step = self._step, None
+        assert step is not None  # called only while a step is open (on_train_batch_end)
         try:
             with self._guard():
                 step.record(loss=self._loss, grad_norm=self._grad_norm)
