@@ -81,10 +81,9 @@ def test_health_says_ok(endpoint, capsys):
 def test_an_action_is_posted_and_its_id_printed(endpoint, capsys):
     channel, loop, _ = endpoint
     assert main(["checkpoint", "--reason", "before upgrade", "--wait", "10"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("accepted checkpoint as ")
-    action_id = out[0].removeprefix("accepted checkpoint as ")
-    assert out[1].startswith(f"checkpoint {action_id}: applied at step ")
+    captured = capsys.readouterr()
+    action_id = re.search(r"^accepted checkpoint as (\S+); waiting", captured.err, re.M).group(1)
+    assert captured.out.startswith(f"checkpoint {action_id}: applied at step ")
     assert loop.checkpoints == ["operator:before upgrade"]
 
 
@@ -151,3 +150,34 @@ def test_it_runs_as_python_dash_m(endpoint):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(": ok")
+
+
+def test_an_action_waits_for_its_outcome_by_default_and_a_refusal_exits_1(endpoint, capsys):
+    """Without --wait the command still waits (as `kubectl rollout status` does): a refused action is not a
+    success (before: `accepted reduce_lr as ...` and exit 0 for a refused_cap)."""
+    assert main(["reduce-lr", "--factor", "0.5"]) == 0
+    assert main(["reduce-lr"]) == 1  # lr_max_reductions=1
+    captured = capsys.readouterr()
+    outcomes = captured.out.splitlines()
+    assert re.fullmatch(r"reduce_lr \S+: applied at step \d+( \(.*\))?", outcomes[0]), outcomes
+    assert re.fullmatch(r"reduce_lr \S+: refused_cap at step \d+ \(.*cap of 1.*\)", outcomes[1]), outcomes
+    assert len(re.findall(r"^accepted reduce_lr as ", captured.err, re.M)) == 2  # the acceptance: on stderr
+
+
+def test_no_wait_returns_at_acceptance(endpoint, capsys):
+    assert main(["checkpoint", "--no-wait"]) == 0
+    assert re.fullmatch(r"accepted checkpoint as \S+", capsys.readouterr().out.strip())
+
+
+def test_an_outcome_not_seen_in_time_exits_3(endpoint, capsys):
+    _, loop, _ = endpoint
+    loop.close()  # the loop reaches no more step boundaries: the checkpoint stays pending
+    assert main(["checkpoint", "--wait", "0.5"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"rankscope-ctl: \S+ still pending after 0\.5s \(.*\)", err), err
+
+
+def test_wait_and_no_wait_together_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pause", "--wait", "5", "--no-wait"])
+    assert exit_info.value.code == 2

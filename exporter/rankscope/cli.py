@@ -9,8 +9,12 @@
 The token comes from --token-file, else from the environment variable named by
 --token-env (default RANKSCOPE_CONTROL_TOKEN); the URL from --url, else
 RANKSCOPE_CONTROL_URL, else http://127.0.0.1:9300. Over https, --ca/--cert/--key
-(or RANKSCOPE_CONTROL_CA/_CERT/_KEY) name the CA to trust and the client certificate to present. Exit status: 0 done
-(accepted, or with --wait applied), 1 refused or failed, 2 bad usage.
+(or RANKSCOPE_CONTROL_CA/_CERT/_KEY) name the CA to trust and the client certificate to present.
+
+An action command waits for the action's outcome (every rank applied it, or it was refused) and prints it,
+as `kubectl rollout status` does: `--wait SECONDS` bounds the wait (default 300), `--no-wait` returns once
+the job accepted it. Exit status: 0 applied (or nothing to do; with --no-wait: accepted), 1 refused,
+failed, overridden or unsupported (and one-line errors), 2 bad usage, 3 no outcome within the wait.
 """
 
 from __future__ import annotations
@@ -39,10 +43,21 @@ DEFAULT_URL = "http://127.0.0.1:9300"
 #: command -> the action it posts (the catalog names each action's command).
 _ACTION_COMMANDS = {spec.command: spec for spec in CATALOG}
 _POLL_SECONDS = 0.2
+DEFAULT_WAIT_SECONDS = 300.0
+#: exit statuses
+EXIT_APPLIED, EXIT_NOT_APPLIED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 
 
 class CliError(Exception):
     """A failure to report in one line (exit status 1)."""
+
+    code = EXIT_NOT_APPLIED
+
+
+class WaitTimeout(CliError):
+    """No outcome within --wait (exit status 3)."""
+
+    code = EXIT_TIMEOUT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +65,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         print(f"{PROG}: {message} (see {PROG} --help)", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(EXIT_USAGE)
 
 
 def _parameter_type(parameter: Parameter) -> Callable[[str], float]:
@@ -104,12 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, spec in _ACTION_COMMANDS.items():
         sub = commands.add_parser(name, help=spec.help)
         sub.add_argument("--reason", default="", help="recorded with the outcome (and in checkpoints)")
-        sub.add_argument(
+        waiting = sub.add_mutually_exclusive_group()
+        waiting.add_argument(
             "--wait",
             type=_seconds,
+            default=DEFAULT_WAIT_SECONDS,
             metavar="SECONDS",
-            help="wait until every rank applied it (or it was refused); exit 1 unless applied",
+            help=f"wait at most this long for the outcome (default {DEFAULT_WAIT_SECONDS:g}); exit 3 when none came",
         )
+        waiting.add_argument("--no-wait", action="store_true", help="return once the job accepted the action")
         for parameter in spec.parameters:
             sub.add_argument(
                 parameter.option,
@@ -126,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except CliError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -158,10 +176,14 @@ def _run(args: argparse.Namespace) -> int:
         detail = f" ({accepted['detail']})" if accepted.get("detail") else ""
         print(f"{action} {action_id}: {accepted['status']}{detail}")
         return 0 if accepted["status"] in ("applied", "noop") else 1
-    print(f"accepted {action} as {action_id}")
-    if args.wait is None:
-        return 0
-    record = _wait_for(client, action_id, args.wait)
+    if args.no_wait:
+        print(f"accepted {action} as {action_id}")
+        return EXIT_APPLIED
+    print(f"accepted {action} as {action_id}; waiting for its outcome (at most {args.wait:g}s)", file=sys.stderr)
+    record = _wait_for(client, action_id, args.wait, action)
+    if record is None:  # a stop ends the job: its endpoint closed once the loop had left
+        print(f"{action} {action_id}: the job ended (its control endpoint closed) before the outcome was read")
+        return EXIT_APPLIED
     detail = f" ({record['detail']})" if record.get("detail") else ""
     print(f"{action} {action_id}: {record['status']} at step {record['step']}{detail}")
     return 0 if record["status"] in ("applied", "noop") else 1
@@ -183,15 +205,21 @@ def _tls(args: argparse.Namespace) -> ClientTls:
         raise CliError(str(exc)) from None
 
 
-def _wait_for(client: _Client, action_id: str, seconds: float) -> dict[str, Any]:
+def _wait_for(client: _Client, action_id: str, seconds: float, action: str = "") -> dict[str, Any] | None:
+    """The action's settled record; None when `action` is stop and the endpoint closed (the job ended)."""
     deadline = time.monotonic() + seconds
     while True:
-        status = client.call("GET", "/v1/status")
+        try:
+            status = client.call("GET", "/v1/status")
+        except CliError:
+            if action == "stop" and not client.answers():
+                return None
+            raise
         for record in status["recent"]:
             if record["id"] == action_id:
                 return record
         if time.monotonic() >= deadline:
-            raise CliError(f"{action_id} still pending after {seconds:g}s (the job applies it at a step boundary)")
+            raise WaitTimeout(f"{action_id} still pending after {seconds:g}s (the job applies it at a step boundary)")
         time.sleep(_POLL_SECONDS)
 
 
@@ -202,6 +230,16 @@ class _Client:
         self.base = base.rstrip("/")
         self._timeout = timeout
         self._session = session_for(tls or ClientTls(), token)  # --ca/--cert/--key over https
+
+    def answers(self) -> bool:
+        """Whether the endpoint still accepts connections."""
+        try:
+            self._session.get(self.base + "/healthz", timeout=self._timeout)
+        except requests.ConnectionError:
+            return False
+        except requests.RequestException:
+            return True
+        return True
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         url = self.base + path
