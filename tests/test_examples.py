@@ -207,3 +207,69 @@ def test_without_the_recipe_a_reduction_is_reported_overridden_and_uses_no_coold
         assert "overwrote the reduced learning rate" in job.log.read_text()  # a warning line, on both ranks
     finally:
         job.close()
+
+
+# --- an FSDP2 loop with sharded (DCP) checkpoints ----------------------------------------------------
+
+
+def _both_ranks(job: ExampleJob, check) -> bool:
+    lines = [job.steps(r) for r in (0, 1)]
+    return all(lines) and all(check(rank_lines) for rank_lines in lines)
+
+
+def test_the_fsdp2_loop_carries_out_every_action_on_both_ranks_and_resumes_from_its_sharded_checkpoint(tmp_path):
+    args = ("--max-steps", "100000", "--sleep", "0.02", "--out", str(tmp_path))
+    job = ExampleJob(tmp_path, "examples/fsdp2_loop.py", *args)
+    try:
+        job.wait_ready()
+        job.wait_for(lambda: all(job.step(r) >= 6 for r in (0, 1)), "both ranks past step 6")
+        for rank in (0, 1):  # exact clip through monitor.clip_grad_norm_ on DTensors: a norm and module norms
+            assert job.value(rank, "rankscope_grad_norm") > 0
+            assert job.value(rank, "rankscope_module_grad_norm", module="0") > 0
+
+        saved = job.act("checkpoint")
+        assert saved["status"] == "applied", saved
+        checkpoint = tmp_path / f"ckpt_{saved['step']:08d}"
+        assert (checkpoint / "meta.json").is_file() and list(checkpoint.glob("*.distcp"))  # sharded: DCP files
+
+        lr = job.steps(0)[-1]["lr"]
+        assert job.act("reduce_lr", lr_factor=0.5)["status"] == "applied"
+        job.wait_for(lambda: _both_ranks(job, lambda lines: lines[-1]["lr"] == lr * 0.5), "the halved rate")
+
+        assert job.act("reduce_micro_batch")["status"] == "applied"
+        job.wait_for(
+            lambda: _both_ranks(job, lambda lines: (lines[-1]["micro"], lines[-1]["accum"]) == (4, 2)),
+            "micro-batch 4 x 2 on both ranks",
+        )
+        assert job.value(0, "rankscope_micro_batch_size") == 4
+
+        at = job.step(0)
+        back = job.act("rollback", before_step=saved["step"] + 1, skip_batches=3)
+        assert back["status"] == "applied", back
+
+        # Both ranks went back to the checkpoint's step, three data positions further on than it had been.
+        def went_back(lines: list[dict]) -> bool:
+            return any(
+                before["step"] >= at and after["step"] == saved["step"] + 1 and after["pos"] == saved["step"] + 3
+                for before, after in zip(lines, lines[1:], strict=False)
+            )
+
+        job.wait_for(lambda: _both_ranks(job, went_back), "both ranks to train on from the checkpoint")
+
+        _check_pause_and_resume(job)
+        job.post_action("stop")
+        assert job.wait_exit() == 0
+        last, micro = job.steps(0)[-1]["step"], job.steps(0)[-1]["micro"]
+        assert job.steps(1)[-1]["step"] == last and (tmp_path / f"ckpt_{last:08d}" / "meta.json").is_file()
+        before_resume = len(job.steps(1))
+    finally:
+        job.close()
+
+    resumed = ExampleJob(tmp_path, "examples/fsdp2_loop.py", *args, "--resume")
+    try:
+        resumed.wait_ready()
+        resumed.wait_for(lambda: all(resumed.step(r) > last for r in (0, 1)), "the resumed run to go on")
+        assert resumed.value(1, "rankscope_micro_batch_size") == micro  # the pair the checkpoint kept
+        assert resumed.steps(1)[before_resume]["step"] == last + 1  # went on from the newest checkpoint
+    finally:
+        resumed.close()
