@@ -3,6 +3,7 @@ through every action, checked on both ranks."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -500,6 +501,36 @@ def test_stop_ends_a_pause_and_asks_the_loop_to_stop(make_channel, monitor):
     assert actions_total(monitor, "stop", "operator", "applied") == 1
 
 
+def test_finish_shows_the_stop_applied_logs_it_and_serves_while_it_lingers(make_channel, monitor, caplog):
+    """The end of a run: the stop is applied, one line says so, and /v1/status shows it before the endpoint
+    closes (close() alone shut the endpoint in the same call, so no one could ever see "applied")."""
+    channel = make_channel()
+    stop = post(channel, "stop")
+    channel.at_step_boundary(4, LoopHandler())
+    seen: dict = {}
+
+    def watch() -> None:  # what an operator (or rankscope-ctl) polling /v1/status sees during the linger
+        while "status" not in seen:
+            try:
+                body = requests.get(
+                    channel.url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5
+                ).json()
+            except requests.ConnectionError:
+                return
+            done = {r["id"]: r["status"] for r in body.get("recent", [])}
+            if stop in done:
+                seen["status"] = done[stop]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with caplog.at_level("INFO", logger="rankscope"):
+        channel.finish(linger_seconds=1.0)
+    watcher.join(timeout=10)
+    assert seen.get("status") == "applied"
+    assert "rank 0 applied stop at step 4" in caplog.text
+    assert actions_total(monitor, "stop", "operator", "applied") == 1
+
+
 def test_a_loop_that_trains_on_after_a_stop_gets_it_overridden(make_channel):
     channel = make_channel()
     stop = post(channel, "stop")
@@ -664,3 +695,13 @@ def test_stop_checkpoints_and_exits_zero_on_every_rank(job):
         assert got == count, (action, result, got, action_id)
     assert sample_value(metrics, "rankscope_checkpoints_total", reason="operator") == 1
     assert sample_value(metrics, "rankscope_checkpoints_total", reason="stop") == 1
+
+
+@pytest.mark.integration
+def test_every_rank_names_the_action_in_its_log_lines(job):
+    """Rank 1 never sees the action's record (rank 0 holds it): its lines name the action from the order."""
+    job.wait_exit()
+    log = job.log.read_text()
+    for action in ("reduce_lr", "checkpoint", "pause", "resume", "stop"):
+        assert re.search(rf"rank 1 applied {action} at step \d+", log), (action, log[-3000:])
+    assert not re.search(r"rank \d+:? (applied )?\? ", log), log[-3000:]

@@ -416,6 +416,9 @@ def test_stop_checkpoints_then_ends_training_on_both_ranks(ddp_job):
     assert torch.load(path, weights_only=False)["global_step"] == stopped_at
     applied = samples(job.final_page(0))
     assert sample_value(applied, "rankscope_control_actions_total", action="stop", result="applied") == 1
+    log = job.log.read_text()
+    for rank in (0, 1):  # the end of the run says the stop was applied, on every rank
+        assert f"[rank {rank}] rankscope: rank {rank} applied stop at step {stopped_at}" in log, log[-3000:]
 
 
 @pytest.mark.integration
@@ -446,3 +449,23 @@ def test_under_lightnings_own_launcher_each_rank_serves_its_own_identity(tmp_pat
         ranks = {dict(labels)["rank"] for (_, labels) in page if "rank" in dict(labels)}
         assert ranks == {str(rank)}, (rank, ranks)
         assert f"[rank {rank}] rankscope: rank {rank} metrics at" in text, text[-4000:]
+
+
+def test_without_a_control_token_the_run_stops_with_one_line_and_no_traceback(tmp_path):
+    """A run asked for control without RANKSCOPE_CONTROL_TOKEN: one line naming the problem, exit status 1
+    (before: about 30 lines of traceback per rank)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for name in ("RANKSCOPE_CONTROL_TOKEN", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "tests/jobs/lightning_launcher_job.py", "--out", str(tmp_path), "--devices", "1", "--control"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "needs a bearer token" in line]
+    assert len(lines) == 1 and lines[0].startswith("rankscope: "), done.stderr[-3000:]

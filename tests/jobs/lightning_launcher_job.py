@@ -20,12 +20,15 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--control", action="store_true", help="ask for the control endpoint (rank 0)")
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
     import torch
     from prometheus_client import generate_latest
     from rankscope import MonitorConfig
+    from rankscope.control import ControlConfig
     from rankscope.integrations.lightning.callback import RankscopeCallback
 
     from examples.lightning_example import Regression, make_loader
@@ -33,12 +36,13 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    callback = RankscopeCallback(MonitorConfig(host="127.0.0.1", base_port=0, probes=()))
+    control = ControlConfig(port=0) if args.control else None
+    callback = RankscopeCallback(MonitorConfig(host="127.0.0.1", base_port=0, probes=()), control)
     trainer = pl.Trainer(
         default_root_dir=str(args.out),
         max_steps=args.max_steps,
         accelerator="cpu",
-        devices=2,
+        devices=args.devices,
         strategy="ddp",
         callbacks=[callback],
         logger=False,

@@ -255,14 +255,24 @@ class ControlChannel:
             self._lr_references = [max(a, b) for a, b in zip(saved, self._lr_references, strict=True)]
         self._limits.load_state_dict(state["applied"])
 
+    def finish(self, linger_seconds: float = 0.0) -> None:
+        """The loop has left after its last step: call on every rank instead of close().
+
+        A stop the loop was asked for is "applied" now: every rank logs `rank R applied stop at step N`,
+        and rank 0's /v1/status and rankscope_control_actions_total say so. Rank 0's endpoint then keeps
+        serving for `linger_seconds` (e.g. one scrape interval, so Prometheus and a waiting `rankscope-ctl`
+        see the outcome) before it closes. Local: issues no collective."""
+        self._settle_stop()
+        if linger_seconds > 0 and self._server is not None:
+            logger.info("rankscope: control endpoint closes in %.0fs (finish)", linger_seconds)
+            time.sleep(linger_seconds)
+        self.close()
+
     def close(self) -> None:
         """Stop serving (rank 0). Local: issues no collective. Idempotent.
 
-        A requested stop is "applied" here: the loop has left."""
-        for order_id, record in list(self._awaiting.items()):
-            if record.action == "stop":
-                self._settle(record, "applied", self._checks[order_id].step)
-                del self._awaiting[order_id]
+        A requested stop is "applied" here too (the loop has left), as in finish(), without lingering."""
+        self._settle_stop()
         self._checks.clear()
         if self._server is not None:
             self._server.close()
@@ -278,6 +288,18 @@ class ControlChannel:
             self._watch = None
         if self.config.enabled:
             self._instruments.child(PREFIX + "paused").set(0)
+
+    def _settle_stop(self) -> None:
+        """A stop carried out at a boundary is applied once the loop has left: say so on every rank."""
+        for order_id, awaited in list(self._checks.items()):
+            if awaited.action != "stop":
+                continue
+            del self._checks[order_id]
+            logger.info("rankscope: rank %d applied stop at step %d (the loop has left)", self.rank, awaited.step)
+            record = self._awaiting.pop(order_id, None)
+            if record is not None:
+                self._settle(record, "applied", awaited.step)
+        state_changed()
 
     # --- start-up -------------------------------------------------------------------
 
@@ -670,19 +692,29 @@ class ControlChannel:
                     record, f"carried out at step {step}; {_waits_for(order)}"
                 )
             return
-        self._finish(order["id"], code, detail, worst, step, record)
+        self._finish(order["id"], order["action"], code, detail, worst, step, record)
 
     def _conclude(self, order_id: str, code: int, detail: str, worst: int, step: int) -> None:
         """An awaited effect is now known on every rank."""
-        self._finish(order_id, code, detail, worst, step, self._awaiting.pop(order_id, None))
+        record = self._awaiting.pop(order_id, None)
+        awaited = self._checks.get(order_id)
+        action = record.action if record is not None else awaited.action if awaited is not None else "?"
+        self._finish(order_id, action, code, detail, worst, step, record)
 
     def _finish(
-        self, order_id: str, code: int, detail: str, worst: int, step: int, record: ActionRecord | None
+        self,
+        order_id: str,
+        action: str,
+        code: int,
+        detail: str,
+        worst: int,
+        step: int,
+        record: ActionRecord | None,
     ) -> None:
-        """Settle an action whose outcome every rank now knows; `step` is the boundary where that became known."""
+        """Settle an action whose outcome every rank now knows; `step` is the boundary where that became known.
+        `action` is the order's name: only rank 0 holds the record, every rank logs the name."""
         awaited = self._checks.pop(order_id, None)
         carried_at = awaited.step if awaited is not None else step
-        action = record.action if record is not None else (awaited.action if awaited is not None else "?")
         state_changed()  # every rank: what the action changed is on the next page, not one from before it
         if worst >= _REFUSED:  # the effect did not happen: put back what was changed
             if awaited is not None and awaited.undo is not None:

@@ -86,7 +86,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from rankscope import create_monitor  # noqa: E402
 from rankscope.config import MonitorConfig  # noqa: E402
-from rankscope.control import ControlChannel, ControlConfig, record_checkpoint  # noqa: E402
+from rankscope.control import ControlChannel, ControlConfig, ControlStartError, record_checkpoint  # noqa: E402
 from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest  # noqa: E402
 from rankscope.integrations.common import CallbackParts, setup_hash  # noqa: E402
 from rankscope.integrations.hf.recovery import TrainerRecovery, micro_batch_unavailable  # noqa: E402
@@ -193,9 +193,13 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
                 self._recovery.train_begin(args, state, kwargs.get("train_dataloader"))
         if self.control is not None and self.channel is None:
             # Collective: every process reaches on_train_begin, after the Trainer set up the process group.
-            self.channel = ControlChannel(
-                self.control, self.monitor, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler")
-            )
+            try:
+                self.channel = ControlChannel(
+                    self.control, self.monitor, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler")
+                )
+            except ControlStartError as exc:
+                # Asked for control and cannot have it: stop before the first step, one line per rank, exit 1.
+                raise SystemExit(f"rankscope: {exc}") from None
             self.monitor.set("micro_batch_size", state.train_batch_size or args.per_device_train_batch_size)
         self._mark = time.perf_counter()
 
@@ -304,7 +308,7 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
         self._step = None
         self._leave_phase()
         if self.channel is not None:
-            self.channel.close()
+            self.channel.finish()  # a requested stop is applied now; every rank logs it
             self.channel = None
         if self.monitor is not None:
             with self._guard():

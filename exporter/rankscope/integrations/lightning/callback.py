@@ -56,7 +56,10 @@ the k micro-batches of a step are one step. Where each signal comes from
   :func:`config_hash` of the Trainer settings, hyperparameters and optimizer.
 
 Control (opt in with `control=ControlConfig(...)`): the endpoint runs on
-global rank 0; after every optimizer step, in on_train_batch_end, all ranks
+global rank 0; when it cannot start (no RANKSCOPE_CONTROL_TOKEN, the port
+taken) the run stops before its first step with one line per rank and exit
+status 1, since a run that was asked for control should not train without it
+(leave `control` None to train without the endpoint); after every optimizer step, in on_train_batch_end, all ranks
 take the same actions at the same step: checkpoint -> `trainer.save_checkpoint`
 (collective: every rank calls it, rank 0 writes, then a barrier) into
 `checkpoint_dir`; stop -> the same, then `trainer.should_stop = True`
@@ -92,7 +95,7 @@ except ImportError:  # the standalone package has the same API
 from rankscope import create_monitor
 from rankscope._log import set_log_rank
 from rankscope.config import MonitorConfig
-from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
+from rankscope.control import ControlChannel, ControlConfig, ControlStartError, record_checkpoint
 from rankscope.identity import RankIdentity
 from rankscope.integrations.common import CallbackParts, setup_hash
 from rankscope.monitor import StepContext
@@ -205,9 +208,14 @@ class RankscopeCallback(CallbackParts, pl.Callback):
         self._boundary_step = trainer.global_step
         if self.control is not None and self.channel is None:
             # Collective: every process reaches on_train_start, after Lightning set up the process group.
-            self.channel = ControlChannel(
-                self.control, self.monitor, optimizer=optimizer, scheduler=_scheduler_of(trainer, optimizer)
-            )
+            try:
+                self.channel = ControlChannel(
+                    self.control, self.monitor, optimizer=optimizer, scheduler=_scheduler_of(trainer, optimizer)
+                )
+            except ControlStartError as exc:
+                # The run was asked for control and cannot have it: it stops before its first step, with one
+                # line per rank and exit status 1 (SystemExit prints no traceback), on every rank alike.
+                raise SystemExit(f"rankscope: {exc}") from None
         self._mark = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -283,7 +291,7 @@ class RankscopeCallback(CallbackParts, pl.Callback):
         self._discard_step()
         self._leave_phase()
         if self.channel is not None:
-            self.channel.close()
+            self.channel.finish()  # a requested stop is applied now; every rank logs it
             self.channel = None
         if self.monitor is not None:
             with self._guard():
