@@ -462,3 +462,19 @@ def test_a_failing_allocator_read_is_counted_once_and_training_goes_on(monkeypat
     assert value(monitor, "rankscope_monitor_errors_total", probe="step_memory") == 1
     assert value(monitor, "rankscope_step_peak_device_memory_bytes") is None
     assert allocator.resets == [torch.device("cuda", 0)]  # switched off after the failure
+
+
+def test_a_disabled_grad_scaler_is_said_once(caplog):
+    """fp16 asked for where GradScaler cannot scale (it disables itself, e.g. on CPU without amp): say so once
+    instead of ignoring it silently; the run trains unscaled, as torch's own scaler does."""
+    from rankscope import Monitor, MonitorConfig, RankIdentity
+
+    monitor = Monitor(MonitorConfig(probes=()), RankIdentity.from_env({}, run_id="scaler"), device="cpu")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with caplog.at_level("WARNING", logger="rankscope"):
+        monitor.watch(model, optimizer, scaler=scaler)
+        monitor.watch(model, optimizer, scaler=scaler)
+    assert caplog.text.count("GradScaler is disabled") == 1, caplog.text
+    monitor.close()

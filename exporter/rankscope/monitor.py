@@ -206,6 +206,12 @@ class Monitor:
         `loss_scale_overflows_total`, not as a non-finite step, and the guard leaves it to the scaler."""
         self._optimizer = optimizer
         self._scaler = scaler if scaler is not None and _scaler_enabled(scaler) else None
+        if scaler is not None and self._scaler is None:  # e.g. fp16 requested where the scaler cannot run
+            self._log.warning(
+                "disabled_scaler",
+                "rankscope: the GradScaler is disabled (is_enabled() is False): the loss is not scaled and no loss "
+                "scale or overflows are recorded",
+            )
         if self._scaler is not None:  # exposed from here on, at 0 until the first overflow (for increase())
             self._metric["loss_scale_overflows_total"] = self.instruments.child(PREFIX + "loss_scale_overflows_total")
         if self._modules is not None:
