@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` runs the stack, `make test` the tests.
-.PHONY: demo test lint bootstrap dashboards rules report
+.PHONY: demo test lint bootstrap dashboards rules report compose-check
 
 # Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores: ~5 minutes).
 DEMO_STEPS ?= 3000
@@ -32,3 +32,7 @@ lint: bootstrap
 # The rule pack (rules, dashboards, Alertmanager routes, Kubernetes resources) from rankscope/mixin/config.py.
 dashboards rules: bootstrap
 	.venv/bin/rankscope-mixin --kubernetes
+
+# The compose files need Docker Compose v2; one line says whether this machine's Compose is one (COMPOSE=...).
+compose-check:
+	@scripts/compose_check.sh

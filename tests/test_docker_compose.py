@@ -228,3 +228,28 @@ def test_the_victoriametrics_variant_runs_the_shipped_files_with_the_tested_flag
         "http://prometheus:9090"
     }
     assert {"prometheus", "alertmanager"} <= set(merged["vmalert"]["depends_on"])
+
+
+def _compose_stub(directory: Path, version: str) -> str:
+    """A `docker-compose` that answers `version --short` as the given release does (no Compose here)."""
+    stub = directory / "docker-compose"
+    stub.write_text(f"#!/bin/sh\n[ \"$1 $2\" = 'version --short' ] && echo {version}\n")
+    stub.chmod(0o755)
+    return str(stub)
+
+
+@pytest.mark.parametrize(("version", "ok"), [("1.29.2", False), ("2.24.6", True), ("v2.32.1", True)])
+def test_make_compose_check_says_in_one_line_when_compose_is_too_old(tmp_path, version, ok):
+    import subprocess
+
+    compose = _compose_stub(tmp_path, version)
+    done = subprocess.run(
+        ["make", "-s", "compose-check", f"COMPOSE={compose}"], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    if ok:
+        assert done.returncode == 0 and done.stdout.strip().endswith(f"{version}: ok (the compose files need Compose v2)")
+    else:
+        assert done.returncode != 0
+        lines = done.stderr.strip().splitlines()
+        assert lines[0].startswith("rankscope: the compose files need Docker Compose v2"), done.stderr
+        assert f"is {version}" in lines[0]
