@@ -247,7 +247,8 @@ def test_make_compose_check_says_in_one_line_when_compose_is_too_old(tmp_path, v
         ["make", "-s", "compose-check", f"COMPOSE={compose}"], cwd=REPO, capture_output=True, text=True, timeout=30
     )
     if ok:
-        assert done.returncode == 0 and done.stdout.strip().endswith(f"{version}: ok (the compose files need Compose v2)")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith(f"{version}: ok (the compose files need Compose v2)")
     else:
         assert done.returncode != 0
         lines = done.stderr.strip().splitlines()
