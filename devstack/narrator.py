@@ -2,7 +2,9 @@
 
 A thread of the stack launcher polls Prometheus's alerts API and the trainer's control status once a
 second and prints what changed, so a person watching `make demo` sees the loop close: the fault's
-alert firing, the action it caused applied on all ranks at one step, and the loss after it.
+alert firing, the page Alertmanager sent (to :class:`PagerSink`, a local webhook on 127.0.0.1 standing
+in for compose's `pager:9095`), the action it caused applied on all ranks at one step, and the loss in
+the window before the action against the window after it. Every line carries its wall-clock time.
 
 Scenarios (`make demo SCENARIO=...`) switch a fault on partway through the run, chosen so that the
 shipped rules (5 s scrapes, their real `for`s) turn it into an action within the demo's minutes.
@@ -12,15 +14,66 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rankscope.report.errors import ReportError
 from rankscope.report.prom import Prometheus
 
-__all__ = ["SCENARIOS", "Narrator", "Scenario"]
+__all__ = ["LOSS_WINDOW_SECONDS", "SCENARIOS", "Narrator", "PagerSink", "Scenario", "stamped"]
+
+#: The loss "before" an action is its mean over this window ending at the action; "after", over the same
+#: length starting there: the untrained start of the run is in neither (a 2m average from the start was).
+LOSS_WINDOW_SECONDS = 30
+
+
+def stamped(line: str, at: float | None = None) -> str:
+    """A narration line with its wall-clock time: `demo 04:15:02: ...`."""
+    return f"demo {time.strftime('%H:%M:%S', time.localtime(time.time() if at is None else at))}: {line}"
+
+
+class PagerSink:
+    """Alertmanager's pager receiver in the demo: a webhook on 127.0.0.1 that says each page it gets.
+
+    The demo's derived Alertmanager config points `pager:9095` (compose's service name, which does not
+    resolve outside compose) here, so a page is shown instead of failing on a DNS lookup."""
+
+    def __init__(self, say: Callable[[str], None], port: int = 0) -> None:
+        sink = self
+        self._say = say
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                except ValueError:
+                    body = {}
+                self.send_response(200)
+                self.end_headers()
+                sink.page(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self._server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._server.serve_forever, name="demo-pager", daemon=True).start()
+
+    def page(self, payload: dict) -> None:
+        """Say one line per alert of an Alertmanager webhook payload."""
+        for alert in payload.get("alerts", []):
+            labels = alert.get("labels", {})
+            state = "resolved" if alert.get("status") == "resolved" else "firing"
+            self._say(stamped(f"page sent: {labels.get('alertname', '?')} {state} ({_describe(labels)})"))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 @dataclass(frozen=True)
@@ -79,6 +132,7 @@ class Narrator:
         self._say, self._interval = say, interval
         self._firing: set[tuple[str, str]] = set()
         self._settled: set[str] = set()
+        self._after: list[tuple[float, str, float | None]] = []  # (action time, what, loss before) to report
         self._rounds = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="demo-narrator", daemon=True)
@@ -109,9 +163,9 @@ class Narrator:
         for key in sorted(set(firing) - self._firing):
             labels = firing[key]["labels"]
             act = f"; action {labels['action']}" if "action" in labels else ""
-            self._say(f"demo: alert {key[0]} firing ({key[1]}, severity {labels.get('severity', '?')}{act})")
+            self._say(stamped(f"alert {key[0]} firing ({key[1]}, severity {labels.get('severity', '?')}{act})"))
         for key in sorted(self._firing - set(firing)):
-            self._say(f"demo: alert {key[0]} resolved ({key[1]})")
+            self._say(stamped(f"alert {key[0]} resolved ({key[1]})"))
         self._firing = set(firing)
         status = self._status()
         for record in status["recent"]:
@@ -120,15 +174,35 @@ class Narrator:
             self._settled.add(record["id"])
             detail = f" ({record['detail']})" if record.get("detail") else ""
             rates = ", ".join(f"{lr:.3g}" for lr in status["learning_rates"] if lr is not None)
+            at = record.get("settled_at") or time.time()
             self._say(
-                f"demo: {record['action']} from {record['reason']}: {record['status']} on all "
-                f"{status['world_size']} ranks at step {record['step']}{detail}; learning rates now {rates}"
+                stamped(
+                    f"{record['action']} from {record['reason']}: {record['status']} on all "
+                    f"{status['world_size']} ranks at step {record['step']}{detail}; learning rates now {rates}",
+                    at,
+                )
             )
+            if record["status"] == "applied":
+                what = f"{record['action']} at step {record['step']}"
+                self._after.append((at, what, self._loss_mean(at)))
+        self._report_loss_after()
         self._rounds += 1
-        if firing and self._rounds % 10 == 0:  # while something fires, the loss every ten rounds
-            loss = self._prometheus.scalar("run:rankscope_loss:smoothed")
-            if loss is not None:
-                self._say(f"demo:   run loss (2m average) {loss:.4g} at step {status['step']}")
+
+    def _loss_mean(self, end: float) -> float | None:
+        """The training loss averaged over the window ending at `end` (every rank's samples)."""
+        return self._prometheus.scalar(
+            f'avg(avg_over_time(rankscope_loss{{split="train"}}[{LOSS_WINDOW_SECONDS}s]))', end
+        )
+
+    def _report_loss_after(self) -> None:
+        """Once a window has passed since an applied action: its loss before against after."""
+        now = time.time()
+        for entry in [e for e in self._after if now >= e[0] + LOSS_WINDOW_SECONDS + 5]:  # + a scrape
+            self._after.remove(entry)
+            at, what, before = entry
+            after = self._loss_mean(at + LOSS_WINDOW_SECONDS)
+            self._say(stamped(f"  loss around {what}: {loss_text(before)} in the {LOSS_WINDOW_SECONDS}s before, "
+                              f"{loss_text(after)} in the {LOSS_WINDOW_SECONDS}s after (mean over ranks)"))  # fmt: skip
 
     def _status(self) -> dict:
         """The trainer's control status (rank 0's endpoint)."""
@@ -137,6 +211,10 @@ class Narrator:
         )
         with urllib.request.urlopen(request, timeout=3) as response:
             return json.loads(response.read())
+
+
+def loss_text(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
 
 
 def _describe(labels: dict[str, str]) -> str:

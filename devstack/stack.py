@@ -35,7 +35,7 @@ from rankscope_trainer.config import ConfigError, add_overrides_option, load_con
 
 from devstack.certs import Certs, make_certs, use_mtls, write_web_config
 from devstack.monitoring import INSTALL_HINT, MonitoringStack
-from devstack.narrator import SCENARIOS, Narrator
+from devstack.narrator import SCENARIOS, Narrator, PagerSink
 from devstack.ports import Ports, free_port_block, port_is_free
 from devstack.processes import Child, Children, StackError, find_binaries
 
@@ -58,7 +58,7 @@ _FLAGS = {"prometheus": "--prometheus-port", "alertmanager": "--alertmanager-por
           "metrics": "--metrics-port"}  # fmt: skip
 
 
-def choose_ports(args: argparse.Namespace) -> Ports:
+def choose_ports(args: argparse.Namespace, pager: int | None = None) -> Ports:
     """The ports of this stack. One given on the command line must be free (else a one-line error naming
     its flag); a default that is taken (say, by a Prometheus of your own on 9090) is replaced by a free
     port, said on stdout: the stack never disturbs a server it did not start."""
@@ -76,7 +76,8 @@ def choose_ports(args: argparse.Namespace) -> Ports:
             raise StackError(f"{what} ({name}) already in use; choose another with {_FLAGS[name]}")
         chosen[name] = free_port_block(width)
         print(f"devstack.stack: {what} ({name}) is taken; using {chosen[name]} instead ({_FLAGS[name]} to choose)")
-    return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], args.pager_port)
+    pager = args.pager_port if pager is None else pager  # the demo's own sink unless --pager-port names one
+    return Ports(chosen["prometheus"], chosen["alertmanager"], chosen["metrics"], chosen["control"], pager)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,7 +92,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--alertmanager-port", type=int, help=f"default {Ports.alertmanager}{taken}")
     parser.add_argument("--metrics-port", type=int, help=f"rank r serves metrics-port + r (default {Ports.metrics})")
     parser.add_argument("--control-port", type=int, help=f"default {Ports.control}{taken}")
-    parser.add_argument("--pager-port", type=int, default=None, help="a local webhook receiving pages (optional)")
+    parser.add_argument(
+        "--pager-port",
+        type=int,
+        default=None,
+        help="a webhook of your own on 127.0.0.1 receiving the pages (default: the demo's sink, which prints them)",
+    )
     parser.add_argument(
         "--mtls",
         action="store_true",
@@ -250,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
     find_binaries(
         "prometheus", "prometheus-alertmanager", hint=INSTALL_HINT
     )  # fail before touching anything if one is missing
-    ports = choose_ports(args)
+    # Alertmanager's pager receiver is compose's pager:9095, which does not resolve here: a local sink says each page.
+    pager = PagerSink(lambda line: print(line, flush=True)) if args.pager_port is None else None
+    ports = choose_ports(args, pager.port if pager is not None else None)
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     token = _token_file(run_dir)
@@ -288,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         # Whatever still runs: trainer first, then Prometheus, then Alertmanager.
         children.stop_all({"trainer": 30.0})
+        if pager is not None:
+            pager.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ returns data from its Prometheus.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -267,11 +268,16 @@ def test_non_finite_losses_are_skipped_on_every_rank_alike_counted_and_alerted(s
     # The rule's action: the learning rate is reduced once.
     applied = st.wait(lambda: st.settled("reduce_lr"), "the alert's reduce_lr", timeout=30)
     assert [r["reason"] for r in applied] == ["alert:RankscopeNonFiniteSteps"]
-    told = f"demo: reduce_lr from alert:RankscopeNonFiniteSteps: applied on all 2 ranks at step {applied[0]['step']}"
-    st.wait(lambda: any(line.startswith(told) for line in said), "the narrator to tell the action", 10)
+    told = f": reduce_lr from alert:RankscopeNonFiniteSteps: applied on all 2 ranks at step {applied[0]['step']}"
+    st.wait(lambda: any(_timed(line, told) for line in said), "the narrator to tell the action", 10)
     narrator.stop()
-    assert any(line.startswith("demo: alert RankscopeNonFiniteSteps firing") for line in said), said
+    assert any(_timed(line, ": alert RankscopeNonFiniteSteps firing") for line in said), said
     assert st.stop_trainer() == 0
+
+
+def _timed(line: str, text: str) -> bool:
+    """A narration line `demo HH:MM:SS: ...` whose text after the time starts with `text` (which starts ": ")."""
+    return re.match(r"demo \d\d:\d\d:\d\d", line) is not None and line[len("demo HH:MM:SS") :].startswith(text)
 
 
 # --- 5. rank crash -------------------------------------------------------------------------------
