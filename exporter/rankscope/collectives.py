@@ -26,6 +26,7 @@ records by default (gloo included); 0 switches it off. Call `enable_collective_v
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -148,6 +149,7 @@ class CollectiveView:
         self.enabled, self.why_off = recorder_state()
         self._lock = threading.Lock()
         self._group_dim: dict[str, str] = {"0": "data"}  # process group name -> dim ("0": the default group)
+        self._hook_id = next(_HOOK_IDS)
         self._hooked: dict[int, Any] = {}  # id() -> process groups with our hooks
         self._groups_seen = -1
         self._timing = True  # hooks are how gloo groups are timed
@@ -216,7 +218,7 @@ class CollectiveView:
         """Remove the hooks from every process group (`attach_groups` puts them back)."""
         for group in self._hooked.values():
             with contextlib.suppress(Exception):  # a group destroyed already has nothing to remove
-                group.unregister_post_hook(_HOOK_ID)
+                group.unregister_post_hook(self._hook_id)
         self._hooked.clear()
         self._groups_seen = -1
 
@@ -235,7 +237,7 @@ class CollectiveView:
                 self._timing = False
                 logger.warning("rankscope: collective timing hook failed; timing off (counts go on): %r", exc)
 
-        group.register_post_hook(_HOOK_ID, post)
+        group.register_post_hook(self._hook_id, post)
 
     def _issued(self, args: Any, group: str) -> None:
         """A collective was issued on a hooked group (training thread): note it, time it to completion."""
@@ -375,7 +377,7 @@ class CollectiveView:
         return total
 
 
-_HOOK_ID = 0x52534B  # rankscope's post hook, one per process group
+_HOOK_IDS = itertools.count(0x52534B00)  # each view's own post-hook id: two monitors in a process never clash
 
 
 @dataclass
