@@ -16,6 +16,7 @@ ever decreases, so Prometheus adds them up across restarts with increase()/rate(
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -241,6 +242,9 @@ class GoodputFlusher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rankscope-goodput", daemon=True)
         self._thread.start()
+        # The process's last moments count too (an exception on its way out, the teardown after close()):
+        # the next incarnation's restart begins where this process really ended, not at the last tick.
+        atexit.register(ledger.flush)
 
     def _run(self) -> None:
         while not self._stop.wait(self._seconds):
