@@ -14,7 +14,12 @@ What this loop does that the README's minimal one does not, and how rankscope fi
   iteration: multiplying it by `channel.lr_scale` is what makes a `reduce_lr` take effect (with
   `--ignore-lr-scale` the loop overwrites it, and the action is honestly reported "overridden");
 - the next batch fetched inside the step (prefetch): reported with `monitor.record_data_wait`, it
-  counts as data wait without being added to the step time twice.
+  counts as data wait without being added to the step time twice;
+- `--resume CKPT`: the model, optimizer, scaler and control state come back, and `monitor.set_step`
+  continues `rankscope_global_step` from the checkpoint's iteration (the step passed to
+  `at_step_boundary`, which `step.index` then equals);
+- the end of the run: `channel.finish(linger_seconds=...)` makes a `stop` visible as applied (see
+  docs/loop-contract.md, the contract this loop follows).
 
 Each rank appends `{"iter", "lr", "lr_scale"}` per iteration to `<out>/rank<r>.jsonl`.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rankscope import Monitor, MonitorConfig
-from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
+from rankscope.control import ControlChannel, ControlConfig, ControlStartError, record_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -81,6 +87,8 @@ def main() -> None:
     parser.add_argument("--control-port", type=int, default=9300)
     parser.add_argument("--ignore-lr-scale", action="store_true", help="overwrite reductions, as loops used to")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
+    parser.add_argument("--resume", type=Path, help="a checkpoint this loop wrote: train on from it")
+    parser.add_argument("--linger", type=float, default=2.0, help="seconds the endpoint serves after the end")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -88,7 +96,8 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    monitor = Monitor(MonitorConfig(host="127.0.0.1", base_port=args.metrics_port, module_stats_every_n_steps=5))
+    metrics = MonitorConfig(host="127.0.0.1", base_port=args.metrics_port, module_stats_every_n_steps=5)
+    monitor = Monitor(dataclasses.replace(metrics, model_name="gpt2-tiny"))  # rankscope_run_info{model=...}
     monitor.start()
     torch.manual_seed(1337)
     config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2)
@@ -98,10 +107,22 @@ def main() -> None:
     autocast = torch.autocast("cuda", dtype=torch.float16) if cuda else contextlib.nullcontext()
     monitor.watch(model, optimizer, scaler=scaler)
     monitor.attach_comm_hook(model)
-    channel = ControlChannel(ControlConfig(port=args.control_port), monitor, optimizer=optimizer)
+    try:
+        channel = ControlChannel(ControlConfig(port=args.control_port), monitor, optimizer=optimizer)
+    except ControlStartError as exc:  # e.g. no RANKSCOPE_CONTROL_TOKEN: one line per rank, exit status 1
+        raise SystemExit(f"rankscope: {exc}") from None
     state = {"model": model.module.state_dict, "optimizer": optimizer.state_dict, "scaler": scaler.state_dict,
              "control": channel.state_dict}  # fmt: skip
     handler = Handler(monitor, args.out, state)
+    start = 0
+    if args.resume is not None:
+        saved = torch.load(args.resume, map_location=device, weights_only=False)
+        model.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scaler.load_state_dict(saved["scaler"])
+        channel.load_state_dict(saved["control"])
+        start = handler.iter = saved["iter"]
+        monitor.set_step(start)  # rankscope_global_step goes on from the checkpoint, as /v1/status does
 
     generator = torch.Generator().manual_seed(rank)
 
@@ -111,7 +132,7 @@ def main() -> None:
 
     x, y = get_batch()
     log = open(args.out / f"rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115 - closed at the end
-    for it in range(args.max_iters):
+    for it in range(start, args.max_iters):
         lr = get_lr(it) * (1.0 if args.ignore_lr_scale else channel.lr_scale)  # honour reductions
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -128,9 +149,9 @@ def main() -> None:
                 total += loss.detach()
             scaler.unscale_(optimizer)
             norm = monitor.clip_grad_norm_(model.parameters(), 1.0)
-            step.record(loss=total, grad_norm=norm)
-            scaler.step(optimizer)
-            scaler.update()
+            if step.record(loss=total, grad_norm=norm):  # False only when skip_nonfinite skips the step
+                scaler.step(optimizer)  # skips by itself a step whose gradients overflowed
+            scaler.update()  # always: it backs the scale off after an overflow
             optimizer.zero_grad(set_to_none=True)
         log.write(json.dumps({"iter": step.index, "lr": lr, "lr_scale": channel.lr_scale}) + "\n")
         handler.iter = step.index
@@ -141,7 +162,7 @@ def main() -> None:
     handler.checkpoint("stop" if handler.stop else "final")
     log.close()
     monitor.finish()
-    channel.close()
+    channel.finish(linger_seconds=args.linger)  # a stop is applied and seen; /metrics serves meanwhile too
     monitor.close()
     dist.destroy_process_group()
 

@@ -182,11 +182,34 @@ def test_the_gpt_loop_pauses_and_resumes_on_both_ranks(gpt):
 def test_the_gpt_loop_checkpoints_and_stops_on_both_ranks(gpt):
     saved = gpt.act("checkpoint")
     assert saved["status"] == "applied" and (gpt.out / f"ckpt_{saved['step']:08d}.pt").is_file()
-    gpt.post_action("stop")
+    stop = gpt.wait_settled(gpt.post_action("stop"), timeout=60)  # seen while channel.finish() lingers
+    assert stop["status"] == "applied", stop
     assert gpt.wait_exit() == 0
     last = max(_lines(gpt, 0))
-    assert max(_lines(gpt, 1)) == last  # both left at the same iteration
+    assert max(_lines(gpt, 1)) == last == stop["step"]  # both left at the same iteration
     assert (gpt.out / f"ckpt_{last:08d}.pt").is_file()
+    log = gpt.log.read_text()
+    for rank in (0, 1):
+        assert f"rank {rank} applied stop at step {last}" in log, log[-3000:]
+
+
+def test_the_gpt_loop_resumes_and_its_global_step_goes_on_from_the_checkpoint(gpt, tmp_path):
+    """monitor.set_step at resume: rankscope_global_step continues from the checkpoint's iteration, as the step
+    in /v1/status does (without it the page restarted at 0 while the status said the resumed step)."""
+    last = max(_lines(gpt, 0))
+    job = ExampleJob(tmp_path, "examples/gpt_loop.py", "--max-iters", "100000", "--sleep", "0.01",
+                     "--out", str(tmp_path), "--resume", str(gpt.out / f"ckpt_{last:08d}.pt"))  # fmt: skip
+    try:
+        job.wait_ready()
+        job.wait_for(lambda: all(job.step(r) > last + 2 for r in (0, 1)), "both pages past the resumed step")
+        for rank in (0, 1):
+            assert min(_lines(job, rank)) == last + 1, rank
+            page, status = job.step(rank), job.status()["step"]
+            assert abs(page - status) <= 10 < last, (rank, page, status, last)  # not restarted from 0
+        assert job.wait_settled(job.post_action("stop"), timeout=60)["status"] == "applied"
+        assert job.wait_exit() == 0
+    finally:
+        job.close()
 
 
 def test_without_the_recipe_a_reduction_is_reported_overridden_and_uses_no_cooldown(tmp_path):
