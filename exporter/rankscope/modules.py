@@ -125,7 +125,9 @@ class _DeviceShard:
 
     def locals(self) -> list[torch.Tensor]:
         """The parameters' local parts (themselves when plain)."""
-        return self.params if self.layout is None else [_local(p) for p in self.params]
+        if self.layout is None:
+            return list(self.params)  # a Parameter list, as tensors (due steps only: the copy is cheap)
+        return [_local(p) for p in self.params]
 
     @property
     def weight(self) -> float:
@@ -164,12 +166,12 @@ class _FlatSnapshot:
         self._keep = shard.device.type == "cpu"
         self.release()
 
-    def take(self, params: list[nn.Parameter]) -> None:
+    def take(self, params: list[torch.Tensor]) -> None:
         if not self._keep:
             self.flat.untyped_storage().resize_(self._bytes)
         torch._foreach_copy_(self.views, params)
 
-    def subtract(self, params: list[nn.Parameter]) -> None:
+    def subtract(self, params: list[torch.Tensor]) -> None:
         torch._foreach_sub_(self.views, params)  # the buffer now holds before - after
 
     def release(self) -> None:
