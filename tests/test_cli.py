@@ -181,3 +181,17 @@ def test_wait_and_no_wait_together_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["pause", "--wait", "5", "--no-wait"])
     assert exit_info.value.code == 2
+
+
+def test_stop_waits_until_the_loop_has_left_and_prints_applied(endpoint, capsys):
+    """The loop leaves, calls channel.finish(linger_seconds=...) and the command sees `applied` while the endpoint
+    lingers (before: the status said pending until the endpoint closed)."""
+    channel, loop, _ = endpoint
+    result: dict[str, int] = {}
+    command = threading.Thread(target=lambda: result.setdefault("code", main(["stop", "--reason", "done"])))
+    command.start()
+    loop._thread.join(timeout=30)  # the loop left at the stop's boundary
+    channel.finish(linger_seconds=2.0)  # main thread: close() puts the signal handlers back
+    command.join(timeout=30)
+    assert result.get("code") == 0
+    assert re.fullmatch(r"stop \S+: applied at step \d+", capsys.readouterr().out.strip())

@@ -261,7 +261,8 @@ class ControlChannel:
         A stop the loop was asked for is "applied" now: every rank logs `rank R applied stop at step N`,
         and rank 0's /v1/status and rankscope_control_actions_total say so. Rank 0's endpoint then keeps
         serving for `linger_seconds` (e.g. one scrape interval, so Prometheus and a waiting `rankscope-ctl`
-        see the outcome) before it closes. Local: issues no collective."""
+        see the outcome) before it closes. Local: issues no collective. Call it from the thread that
+        created the channel, as close(): the signal handlers are put back there."""
         self._settle_stop()
         if linger_seconds > 0 and self._server is not None:
             logger.info("rankscope: control endpoint closes in %.0fs (finish)", linger_seconds)
