@@ -99,7 +99,7 @@ def recorder_state() -> tuple[bool, str]:
     """(whether the Flight Recorder records, why not if it does not), from the environment and torch."""
     try:
         import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_fr_trace  # noqa: F401
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]  # noqa: F401
     except Exception as exc:  # a torch without distributed or without FR
         return False, f"torch's Flight Recorder is not available ({exc!r})"
     size = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
@@ -317,7 +317,7 @@ class CollectiveView:
                 self.read_seconds = time.perf_counter() - started
 
     def _read(self) -> None:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
         dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
         entries = dump.get("entries") or []

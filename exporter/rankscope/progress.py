@@ -108,11 +108,11 @@ class CollectivesCollector:
             return
         count = metric("collectives_total")
         counts = CounterMetricFamily(count.client_name, count.help, labels=[*self._names, "dim"])
-        for dim, value in sorted(view.started_by_dim().items()):
-            counts.add_metric([*self._values, dim], value)
+        for dim, number in sorted(view.started_by_dim().items()):
+            counts.add_metric([*self._values, dim], number)
         yield counts
         secs = metric("collective_seconds_total")
         seconds = CounterMetricFamily(secs.client_name, secs.help, labels=[*self._names, "kind", "dim"])
-        for (kind, dim), value in sorted(view.seconds_by_kind_dim().items()):
-            seconds.add_metric([*self._values, kind, dim], value)
+        for (kind, dim), spent in sorted(view.seconds_by_kind_dim().items()):
+            seconds.add_metric([*self._values, kind, dim], spent)
         yield seconds
