@@ -341,3 +341,29 @@ def test_the_stack_rules_and_dashboards_find_every_metric_they_query(controlled_
     assert wanted - contract_families(pages[0]) == set()
     # The channel counts its decisions where it makes them, on rank 0 only.
     assert wanted - {"rankscope_control_actions_total"} - contract_families(pages[1]) == set()
+
+
+def test_without_a_control_token_the_run_stops_with_one_line_and_no_traceback(tmp_path):
+    """examples/hf_trainer.py asked for control without RANKSCOPE_CONTROL_TOKEN: one line naming the problem and
+    exit status 1, before the first step (the documented choice: docs/loop-contract.md)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import REPO, free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANKSCOPE_CONTROL_TOKEN", "RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    argv = ["--output-dir", str(tmp_path), "--max-steps", "2", "--metrics-host", "127.0.0.1", "--base-port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.hf_trainer", *argv, "--control", "--control-port", str(free_port())],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "needs a bearer token" in line]
+    assert len(lines) == 1 and lines[0].startswith("rankscope: "), done.stderr[-3000:]
