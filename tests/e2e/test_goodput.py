@@ -2,7 +2,8 @@
 test's own (issue 25).
 
 The run crashes on rank 1 at step CRASH_AT (torchrun --max-restarts 1 restarts the group, which resumes from
-the step-20 checkpoint), is then held paused by the test for PAUSE_SECONDS, and is stopped. The ledger rank 0
+the step-20 checkpoint), is rolled back to its newest checkpoint (a control action), is then held paused by the
+test for PAUSE_SECONDS, and is stopped. The ledger rank 0
 kept beside the checkpoints is compared, bucket by bucket, with what the test computes without it:
 
 - wall time: from the first rank 0 process's start (the OS's, read with psutil) to the last rank 0's exit (the
@@ -11,7 +12,8 @@ kept beside the checkpoints is compared, bucket by bucket, with what the test co
 - checkpoint: the durations the trainer printed for each save ("checkpoint step N -> ... (reason, 0.12s)");
 - lost: from the step-20 checkpoint (the run log's time) to the exit of the first rank 0 (the test's clock: a
   thread waits for that process): it trained on into the crashing step, blocked in the all-reduce until it
-  saw its peer gone, and all of it was thrown away by the resume;
+  saw its peer gone, and all of it was thrown away by the resume; plus, for the rollback, from the record of
+  the checkpoint it loaded to the rollback's record (the run log's times);
 - startup: from each incarnation's start (the first: rank 0's process start; the second: the first rank 0's
   exit) to its first step's start (its first train record in the run log minus one mean step).
 
@@ -80,6 +82,9 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
     last_rank0 = job.rank_processes()[0]
     assert last_rank0.pid != first_rank0.pid
     last_exit = _exit_clock(last_rank0)
+    st.post_action("rollback", "goodput-test")  # back to the newest checkpoint: the steps since are thrown away
+    st.wait(lambda: st.settled("rollback"), "the rollback", timeout=60)
+    st.wait_for_step(job.records("rollback")[-1]["step"] + 20, timeout=60)
     with st.paused("goodput-test"):
         paused_seen = time.time()
         time.sleep(PAUSE_SECONDS)  # the incident: a pause this long, on the test's clock
@@ -106,10 +111,15 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
     checkpoint_20 = next(r for r in records[: starts[1]] if r["type"] == "checkpoint" and r["step"] == 20)
     # Rank 0 trained into the crashing step, blocked in its all-reduce, until it saw its peer gone and exited:
     # the whole of it is training thrown away.
+    # The rollback: from the checkpoint it went back to (its record) to the rollback's record.
+    (rollback,) = job.records("rollback")
+    before = records[: records.index(rollback)]
+    restored = [r for r in before if r["type"] == "checkpoint" and r["step"] == rollback["step"]][-1]
+    rolled_back = rollback["time"] - restored["time"]
     truth = {
         "wall": wall,
         "paused": resumed_seen - paused_seen,
-        "lost": crashed_at - checkpoint_20["time"],
+        "lost": crashed_at - checkpoint_20["time"] + rolled_back,
         "startup": (first[0]["time"] - step - job_start) + (second[0]["time"] - step - crashed_at),
         "checkpoint": sum(
             float(s) for s in re.findall(r"checkpoint step \d+ -> \S+ \(\S+, ([0-9.]+)s\)", job.output.read_text())
