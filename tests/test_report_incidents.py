@@ -149,7 +149,7 @@ def _demo_like_log(tmp_path):
               "time": T0 + (s // 10) * 1.0} for s in range(1, 400)]  # fmt: skip
     actions = [
         {"type": "action", "step": 310, "id": "a-1", "action": "reduce_lr", "source": "alert", "result": "applied",
-         "reason": "alert:RankscopeNonFiniteSteps", "detail": "", "time": T0 + 31.4},
+         "reason": "alert:RankscopeNonFiniteSteps", "detail": "took effect by step 311", "time": T0 + 31.4},
         {"type": "action", "step": 369, "id": "a-2", "action": "reduce_lr", "source": "operator",
          "result": "refused_cooldown", "reason": "operator:loss still high", "detail": "cooldown is 60s",
          "time": T0 + 36.95},
@@ -167,7 +167,7 @@ def test_fault_to_action_is_measured_from_the_first_non_finite_step_when_the_run
     counters = [_counter("reduce_lr", "applied", [(30, 0), (32, 1)])]
     found = find_incidents(alerts, counters, interval=EVAL, end=T0 + 50, log=_demo_like_log(tmp_path))
     applied = next(a for a in found.actions if a.result == "applied")
-    assert applied.cause is not None and applied.cause.onset == T0 + 33
+    assert applied.cause is not None and applied.cause.onset == T0 + 33  # named by its reason, detail or not
     # Step 300 is the first of the flush at T0 + 30 (steps 300-309): its time is spread to T0 + 29.1.
     assert applied.first_sign_step == 300 and applied.first_sign == pytest.approx(T0 + 29.1)
     assert applied.fault_to_action == pytest.approx(31.4 - 29.1)
@@ -205,7 +205,7 @@ def test_operator_actions_take_their_step_time_and_reason_from_the_run_log_and_t
     by_id = {(a.action, a.result): a for a in found.actions}
     refused = by_id[("reduce_lr", "refused_cooldown")]
     assert (refused.step, refused.at, refused.source) == (369, T0 + 36.95, "operator")
-    assert refused.reason == "operator:loss still high (cooldown is 60s)"
+    assert (refused.reason, refused.detail) == ("operator:loss still high", "cooldown is 60s")
     assert refused.evidence == ["prometheus", "run log"]
     pause = by_id[("pause", "applied")]
     assert (pause.step, pause.at, pause.reason) == (382, T0 + 38.25, "operator:look at the loss")

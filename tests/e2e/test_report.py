@@ -3,14 +3,17 @@
 One scenario (tests/e2e/harness.py): the reference trainer on 2 ranks under torchrun, the real
 Prometheus and Alertmanager with the repository's rules and routes; rank 0's loss turns NaN for
 a few steps, RankscopeNonFiniteSteps fires and its action reduces the learning rate on both
-ranks. Then `rankscope-report` (without --run-id: the newest run there) writes the report,
-whose HTML is parsed for every section and image, and headless Chromium renders it at 1280 px.
+ranks. An operator then asks for another reduce_lr (its outcome, refused or not, is whatever
+/v1/status says), and pauses and resumes the run. Then `rankscope-report` (without --run-id: the
+newest run there) writes the report, whose HTML is parsed for every section and image, its action
+rows checked against /v1/status and the run log, and headless Chromium renders it at 1280 px.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -72,7 +75,7 @@ def _picture(png: bytes) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
+def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path, list[dict], Path]:
     st = module_stack("report")
     job = st.start_trainer(
         [f"faults.nonfinite.at_step={NAN_AT}", f"faults.nonfinite.steps={NAN_STEPS}", "faults.nonfinite.rank=0"],
@@ -80,7 +83,15 @@ def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
     )
     (applied,) = st.wait(lambda: st.settled("reduce_lr"), "the alert's reduce_lr", timeout=180)
     assert applied["reason"] == "alert:RankscopeNonFiniteSteps", applied
-    st.wait_for_step(applied["step"] + 10)
+    st.wait_for_step(applied["step"] + 5)
+    st.post_action("reduce_lr", "loss still high")
+    st.wait(lambda: st.settled("reduce_lr", None)[1:], "the operator's reduce_lr to settle", timeout=60)
+    with st.paused("look at the loss"):
+        # Held until Prometheus has scraped the paused gauge on rank 0: a pause the report must place.
+        st.wait(lambda: any(float(r["value"][1]) == 1 for r in st.query(f'rankscope_paused{{run_id="{st.run_id}"}}')),
+                "a scrape of the paused run", timeout=60)  # fmt: skip
+    st.wait_for_step(applied["step"] + 15)
+    recent = st.status()["recent"]
     assert st.stop_trainer() == 0
     out = tmp_path_factory.mktemp("report") / "report.html"
     result = subprocess.run(
@@ -90,11 +101,11 @@ def reported(module_stack, tmp_path_factory) -> tuple[Stack, Path]:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert f"run {st.run_id}," in result.stdout  # the newest run, found without --run-id
-    return st, out
+    return st, out, recent, Path(job.log_file)
 
 
 def test_the_report_has_every_section_with_its_pictures_and_names_the_incident_and_its_action(reported) -> None:
-    st, out = reported
+    st, out, recent, log_file = reported
     page = _Page()
     page.feed(out.read_text())
     assert page.sections == ["facts", *SECTIONS]
@@ -107,20 +118,48 @@ def test_the_report_has_every_section_with_its_pictures_and_names_the_incident_a
     # The incident: the alert fired, and the action it caused was applied, with its fault-to-action time.
     alerts = [row for row in page.rows["incidents"] if row[0] == "RankscopeNonFiniteSteps"]
     assert alerts and alerts[0][2] == "page" and alerts[0][3] == "reduce_lr", page.rows["incidents"]
-    (action,) = [row for row in page.rows["incidents"] if row[0] == "reduce_lr"]
+    (action,) = [row for row in page.rows["incidents"] if row[0] == "reduce_lr" and row[1] == "alert"]
     assert action[1:3] == ["alert", "applied"] and action[6] == "RankscopeNonFiniteSteps", action
     seconds = float(re.match(r"([0-9.]+) s", action[7]).group(1))  # type: ignore[union-attr]
     assert 0 < seconds < 20, action
-    assert action[8] == "prometheus + run log" and action[5].startswith("learning rate x0.")
+    assert action[8] == "prometheus + run log" and action[5].startswith("alert:RankscopeNonFiniteSteps")
+    # Measured from the first NaN step the run log shows, not from the alert.
+    assert f"from the first non-finite step (step {NAN_AT})" in action[7], action
     stop = [row for row in page.rows["incidents"] if row[0] == "stop"]
-    assert stop and stop[0][1:3] == ["operator", "applied"] and stop[0][5] == "stop:operator:scenario-over", stop
+    assert stop and stop[0][1:3] == ["operator", "applied"] and "operator:scenario-over" in stop[0][5], stop
     text = out.read_text()
     assert "finished (stopped: operator:scenario-over)" in text
-    assert _picture(out.with_suffix(".png").read_bytes()).size == (1240, 840)
+    assert "Fault to action: from the fault&#x27;s first sign" in text and "Settled by:" in text
+    summary = _picture(out.with_suffix(".png").read_bytes())
+    assert summary.width == 1240 and summary.height >= 840
+
+
+def test_the_reports_actions_agree_with_the_status_and_the_run_log(reported) -> None:
+    """Every settled action: the report's step is /v1/status's, its time the run log's settle time, its reason
+    the operator's; the pause is logged at its own time, before the resume."""
+    st, out, recent, log_file = reported
+    page = _Page()
+    page.feed(out.read_text())
+    rows = page.rows["incidents"]
+    logged = {r["id"]: r for r in map(json.loads, log_file.read_text().splitlines()) if r["type"] == "action"}
+    for record in recent:
+        assert record["id"] in logged, f"{record['action']} {record['status']} is not in the run log"
+        entry = logged[record["id"]]
+        assert (entry["step"], entry["result"], entry["time"]) == (
+            record["step"], record["status"], round(record["settled_at"], 3)
+        ), (entry, record)  # fmt: skip
+        label = record["action"]
+        matching = [r for r in rows if r[0] == label and r[2] == record["status"] and r[4] == str(record["step"])]
+        assert matching, f"no row for {label} {record['status']} at step {record['step']}: {rows}"
+        assert record["reason"] in matching[0][5] and matching[0][8] == "prometheus + run log", matching[0]
+    pause = next(r for r in recent if r["action"] == "pause")
+    resume = next(r for r in recent if r["action"] == "resume")
+    assert pause["settled_at"] < resume["settled_at"]
+    assert logged[pause["id"]]["time"] < logged[resume["id"]]["time"]
 
 
 def test_the_report_renders_in_headless_chromium_at_1280_px(reported, tmp_path) -> None:
-    _, out = reported
+    _, out, _, _ = reported
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("chromium is not on PATH: install the Debian package chromium (scripts/bootstrap.sh)")

@@ -107,6 +107,8 @@ class ActionEvent:
     cause: AlertEpisode | None = None
     evidence: list[str] = field(default_factory=list)
     """Where it was seen: "prometheus", "run log"."""
+    detail: str = ""
+    """What the control channel said of its outcome (why it was refused, when it took effect)."""
     first_sign: float | None = None
     """Time of the fault's first sign before its alert (the first non-finite step), when known."""
     first_sign_step: int | None = None
@@ -217,8 +219,7 @@ def _control_actions(log: RunLog) -> list[ActionEvent]:
         step = record.get("step")
         found.append(ActionEvent(str(record.get("action", "?")), str(record.get("source") or "?"), record["result"],
                                  float(record["time"]), step=step if isinstance(step, int) else None,
-                                 reason=f"{reason} ({detail})" if detail else reason, evidence=["run log"],
-                                 exact=True))  # fmt: skip
+                                 reason=reason, detail=detail, evidence=["run log"], exact=True))  # fmt: skip
     return found
 
 
@@ -272,6 +273,7 @@ def _merge(prometheus: list[ActionEvent], logged: list[ActionEvent], slack: floa
         unmatched.remove(match)
         event.step = match.step
         event.reason = match.reason if match.reason else event.reason
+        event.detail = match.detail or event.detail
         event.source = match.source if match.source != "?" else event.source
         # A logged settle time is exact; otherwise both are "known applied by" times: the counter's scrape
         # comes after the channel settled the action, the log's record right after the step that applied it.

@@ -337,7 +337,8 @@ def _incident_tables(incidents: Incidents, start: float) -> list[Table | Note]:
     )  # fmt: skip
     actions = Table(
         ["action", "source", "result", "settled by", "step", "reason", "caused by", "fault to action", "seen in"],
-        [[a.action, a.source, a.result, since(a.at), "" if a.step is None else str(a.step), a.reason or "-",
+        [[a.action, a.source, a.result, since(a.at), "" if a.step is None else str(a.step),
+          (a.reason or "-") + (f" ({a.detail})" if a.detail else ""),
           a.cause.title if a.cause is not None else "-", _latency(a), " + ".join(a.evidence)]
          for a in incidents.actions],
         caption="Control actions (rankscope_control_actions_total, sharpened by the run log where it has them)",
