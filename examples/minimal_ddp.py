@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 from rankscope import Monitor, MonitorConfig
-from rankscope.control import ControlChannel, ControlConfig, record_checkpoint
+from rankscope.control import ControlChannel, ControlConfig, ControlStartError, record_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--control-port", type=int, default=9300)  # rank 0 only
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to watch it go")
+    parser.add_argument("--linger", type=float, default=5.0, help="serve this long after the end: one last scrape")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # "nccl" on GPUs
     os.makedirs(args.checkpoint_dir, exist_ok=True)
@@ -59,7 +60,11 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))  # warmup
     monitor.watch(model, optimizer)  # learning rates, per-module grad norms, update ratios
     monitor.attach_comm_hook(model)  # all-reduce time
-    channel = ControlChannel(ControlConfig(port=args.control_port), monitor, optimizer=optimizer, scheduler=scheduler)
+    control = ControlConfig(port=args.control_port)
+    try:  # no RANKSCOPE_CONTROL_TOKEN: one line, exit 1 before the first step (docs/loop-contract.md)
+        channel = ControlChannel(control, monitor, optimizer=optimizer, scheduler=scheduler)
+    except ControlStartError as exc:
+        raise SystemExit(f"rankscope: {exc}") from None
     handler = Handler(monitor, model, optimizer, channel.state_dict, args.checkpoint_dir)
 
     data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
@@ -85,7 +90,7 @@ def main():
         epoch += 1
     handler.checkpoint("stop" if handler.stop else "final")
     monitor.finish()  # a clean end: the rank-down alert does not page for it
-    channel.close()  # the loop has left: a requested stop is "applied"
+    channel.finish(linger_seconds=args.linger)  # a stop is "applied", logged on every rank, seen in /v1/status
     monitor.close()
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """The custom-loop examples, run as a user runs them (torchrun, 2 CPU ranks) and checked from outside.
 
-examples/minimal_ddp.py is the README's snippet made runnable (the README embeds the file itself);
+examples/minimal_ddp.py is docs/instrumenting.md's loop made runnable (the page embeds the file itself);
 examples/gpt_loop.py is a GPT-style loop written elsewhere (tied embeddings, no_sync accumulation, a
 GradScaler, a hand-written LR function, a prefetched batch). Over real HTTP: both ranks' metrics
 pages, and every control action with its effect seen on both ranks.
@@ -65,7 +65,7 @@ def _check_pause_and_resume(job: ExampleJob) -> None:
     job.wait_for(lambda: all(job.step(r) > held for r in (0, 1)), "both ranks to move on after resume")
 
 
-# --- the README's minimal loop ---------------------------------------------------------------------
+# --- the minimal loop (docs/instrumenting.md) ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +78,11 @@ def minimal(tmp_path_factory):
     job.close()
 
 
-def test_the_readme_embeds_the_minimal_example_verbatim():
-    readme = (REPO / "README.md").read_text()
+def test_the_instrumenting_page_embeds_the_minimal_example_verbatim():
+    readme = (REPO / "docs" / "instrumenting.md").read_text()
     example = (REPO / "examples" / "minimal_ddp.py").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert example in blocks, "README.md's 'Instrument your own training loop' must be examples/minimal_ddp.py"
+    assert example in blocks, "docs/instrumenting.md's first loop must be examples/minimal_ddp.py, verbatim"
     assert len(example.splitlines()) < 100
 
 
