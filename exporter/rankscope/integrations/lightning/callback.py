@@ -33,9 +33,10 @@ the k micro-batches of a step are one step. Where each signal comes from
 - comm_duration_seconds / compute_duration_seconds: a DDP comm hook on
   `trainer.strategy.model` (the public attribute holding the
   DistributedDataParallel wrapper under the DDP strategies), registered in
-  on_train_start, before the first backward. Other strategies (single device,
-  FSDP, DeepSpeed) have no DDP wrapper: comm time is not measured and compute
-  time is the whole step minus the data wait.
+  on_train_start, before the first backward. Other strategies (FSDP,
+  ModelParallelStrategy, DeepSpeed) have no DDP wrapper: the monitor's
+  collective view times their collectives instead (docs/collectives.md;
+  tested under ModelParallelStrategy in tests/test_sharded_lightning.py).
 - loss: what training_step returned (Lightning hands it to on_train_batch_end
   as a detached tensor already divided by accumulate_grad_batches, so the sum
   over a step's micro-batches is their mean). Kept as a tensor: no sync.
@@ -337,7 +338,8 @@ class RankscopeCallback(CallbackParts, pl.Callback):
     def _attach_comm_hook(self, trainer: pl.Trainer) -> None:
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
-            if trainer.world_size > 1:
+            # FSDP2 (ModelParallelStrategy), DeepSpeed: no DDP hook; the collective view, when on, times them.
+            if trainer.world_size > 1 and getattr(self.monitor, "collectives", None) is None:
                 self._log.warning(
                     "comm_hook",
                     "rankscope: comm time not measured: strategy %s does not wrap the model in DDP",
