@@ -212,3 +212,15 @@ def test_operator_actions_take_their_step_time_and_reason_from_the_run_log_and_t
     assert found.paused == [(T0 + 38.25, T0 + 44.3)]
     # The alert's reduce_lr is in the log once: its record, not a second one from the learning-rate drop.
     assert [(a.action, a.result) for a in found.actions].count(("reduce_lr", "applied")) == 1
+
+
+def test_a_stop_is_one_action_though_its_checkpoint_comes_seconds_before_its_logged_outcome(tmp_path) -> None:
+    log = _log(tmp_path, [
+        {"type": "start", "step": 0, "time": T0},
+        {"type": "checkpoint", "step": 60, "reason": "stop:operator:over", "path": "c", "time": T0 + 3.0},
+        {"type": "action", "step": 60, "id": "s-1", "action": "stop", "source": "operator", "result": "applied",
+         "reason": "operator:over", "detail": "", "time": T0 + 9.0},
+    ])  # fmt: skip
+    found = find_incidents([], [], interval=EVAL, end=T0 + 20, log=log)
+    (stop,) = found.actions
+    assert (stop.action, stop.step, stop.at, stop.reason) == ("stop", 60, T0 + 9.0, "operator:over")

@@ -126,7 +126,7 @@ def test_the_report_has_every_section_with_its_pictures_and_names_the_incident_a
     # Measured from the first NaN step the run log shows, not from the alert.
     assert f"from the first non-finite step (step {NAN_AT})" in action[7], action
     stop = [row for row in page.rows["incidents"] if row[0] == "stop"]
-    assert stop and stop[0][1:3] == ["operator", "applied"] and "operator:scenario-over" in stop[0][5], stop
+    assert len(stop) == 1 and stop[0][1:3] == ["operator", "applied"] and "operator:scenario-over" in stop[0][5], stop
     text = out.read_text()
     assert "finished (stopped: operator:scenario-over)" in text
     assert "Fault to action: from the fault&#x27;s first sign" in text and "Settled by:" in text

@@ -47,6 +47,8 @@ __all__ = [
 
 #: A learning rate below this fraction of the previous step's is a reduction (the cosine schedule moves ~0.1 %).
 LR_DROP = 0.9
+#: A stop's logged outcome comes at most this long after its checkpoint (the loop's way out).
+STOP_SETTLE_SECONDS = 300.0
 #: Labels that say which alert an episode is, beyond its name (the rest is shown but not needed).
 _NOT_IDENTITY = ("__name__", "alertstate")
 
@@ -286,10 +288,14 @@ def _merge(prometheus: list[ActionEvent], logged: list[ActionEvent], slack: floa
 def _logged_actions(log: RunLog, slack: float) -> list[ActionEvent]:
     """The logged control outcomes, plus what the log's other records show that they do not cover."""
     control = _control_actions(log)
-    derived = [
-        e for e in _log_actions(log)
-        if not any(c.action == e.action and c.result == "applied" and abs(c.at - e.at) <= slack for c in control)
-    ]  # fmt: skip
+
+    def covered(e: ActionEvent) -> bool:
+        # A stop is settled once the loop has left: after its checkpoint, the final validation and the
+        # last flush, seconds later. Any other action's record is written at the step that applied it.
+        after = STOP_SETTLE_SECONDS if e.action == "stop" else slack
+        return any(c.action == e.action and c.result == "applied" and -slack <= c.at - e.at <= after for c in control)
+
+    derived = [e for e in _log_actions(log) if not covered(e)]
     return sorted([*control, *derived], key=lambda e: e.at)
 
 
