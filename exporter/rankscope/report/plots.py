@@ -735,7 +735,7 @@ def resources_figure(inputs: ResourceInputs, axis_x: TimeAxis, marks: Sequence[M
             twin.grid(False)
             twin.spines["right"].set_visible(True)
             lines = speed.get_lines() + twin.get_lines()
-            speed.legend(lines, [line.get_label() for line in lines], loc="lower right")
+            speed.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
         speed.set_title("Throughput", loc="left")
         _draw_marks(speed, axis_x, marks)
     else:
@@ -782,7 +782,7 @@ def _plot_host_load(axis: Axes, inputs: ResourceInputs, axis_x: TimeAxis, marks:
         twin.grid(False)
         twin.spines["right"].set_visible(True)
         lines = lines + twin.get_lines()
-    axis.legend(lines, [line.get_label() for line in lines], loc="upper left", ncols=2)
+    axis.legend(lines, [str(line.get_label()) for line in lines], loc="upper left", ncols=2)
     axis.set_title("Host CPU load per node: a step-time rise with the load above 1 is other processes' doing",
                    loc="left")  # fmt: skip
     _draw_marks(axis, axis_x, marks)
@@ -1110,11 +1110,11 @@ def summary_figure(
         x = axis_x.x(event.at)
         timeline.plot(x, y_actions, marker="D" if event.result == "applied" else "X", ms=6, color=color, ls="none")
         # Each label on the first lane below the row where it runs over no other (lanes: _lanes).
-        y = y_actions + LANE_HEIGHT * (lane + 1)
+        lane_y = y_actions + LANE_HEIGHT * (lane + 1)
         if lane:
-            timeline.plot([x, x], [y_actions, y], color=color, lw=0.6, alpha=0.6)
+            timeline.plot([x, x], [y_actions, lane_y], color=color, lw=0.6, alpha=0.6)
         right = x > axis_x.span * 0.6
-        timeline.annotate(label, (x, y), xytext=(-3 if right else 3, 0), textcoords="offset points", fontsize=7.5,
+        timeline.annotate(label, (x, lane_y), xytext=(-3 if right else 3, 0), textcoords="offset points", fontsize=7.5,
                           color=color, va="center", ha="right" if right else "left")  # fmt: skip
     timeline.set_yticks(range(len(rows)), rows, fontsize=7.5)
     timeline.set_ylim(y_actions + LANE_HEIGHT * (extra + 1) + 0.35, -0.6)
