@@ -36,7 +36,6 @@ alert's 30 minutes, also see only `--duration` seconds of data here).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from pathlib import Path
 import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from rankscope.report.prom import Prometheus
 
 from devstack.monitoring import REPO, MonitoringStack, prometheus_config, shipped_interval
 from devstack.ports import free_port, local_ports
@@ -153,16 +153,9 @@ def _start_fakeranks(children: Children, setup: Setup, ranks: int, per_page: int
     raise RuntimeError(f"fake ranks not ready after 120 s:\n{fake.log_tail()}")
 
 
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as answer:
-        return json.loads(answer.read())
-
-
 def _instant(url: str, expr: str) -> list[dict]:
-    body = _get_json(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
-    if body.get("status") != "success":
-        raise RuntimeError(f"query {expr!r} failed: {body}")
-    return body["data"]["result"]
+    """The raw result of an instant query (the one Prometheus client, rankscope.report.prom)."""
+    return Prometheus(url).api("/api/v1/query", {"query": expr})["result"]
 
 
 def _value(url: str, expr: str) -> float | None:
@@ -205,7 +198,7 @@ def _hold(fake: Child, seconds: float, rules_url: str) -> dict[str, float]:
 
 def _rule_times(url: str) -> dict[str, float]:
     """Rule name -> seconds its last evaluation took (the rules API of Prometheus and of vmalert)."""
-    groups = _get_json(f"{url}/api/v1/rules")["data"]["groups"]
+    groups = Prometheus(url).api("/api/v1/rules")["groups"]
     return {rule["name"]: float(rule.get("evaluationTime", 0.0)) for group in groups for rule in group["rules"]}
 
 
