@@ -58,18 +58,26 @@ class ControlClient:
         self.url = f"http://127.0.0.1:{control_port}"
         self.headers = {"Authorization": f"Bearer {self.token}"}
         self.log = out / "torchrun.log"
+        self.http: Any = requests  # what status/post_action send with: a TLS test sets a session_for session
         self.proc: subprocess.Popen | None = None
 
     def start(self, target: list[str], master_port: int, env: dict[str, str] | None = None) -> None:
         """torchrun 2 ranks of `target` (a script and its arguments) with the run id and `env`."""
         self.proc = torchrun(2, target, master_port, {"RANKSCOPE_RUN_ID": self.run_id, **(env or {})}, log=self.log)
 
-    def start_job(self, script: str, master_port: int, control: dict[str, Any] | None, pg_timeout: float) -> None:
+    def start_job(
+        self,
+        script: str,
+        master_port: int,
+        control: dict[str, Any] | None,
+        pg_timeout: float,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """Start one of tests/jobs (`script`) with its control endpoint on this client's port and token."""
         settings = {"port": self.control_port, "token_file": str(self.token_file), "pause_heartbeat_seconds": 0.5}
         settings.update(control or {})
         target = [script, "--out", str(self.out), "--control", json.dumps(settings), "--pg-timeout", str(pg_timeout)]
-        self.start(target, master_port)
+        self.start(target, master_port, env)
 
     def wait_for(self, check: Callable[[], T], what: str, timeout: float = 60.0) -> T:
         """Poll `check` until truthy; fail at once if the job dies, with its log either way."""
@@ -98,7 +106,7 @@ class ControlClient:
             raise AssertionError(f"job did not exit within {timeout}s\n{tail(self.log)}") from None
 
     def status(self) -> dict[str, Any]:
-        response = requests.get(self.url + "/v1/status", headers=self.headers, timeout=5)
+        response = self.http.get(self.url + "/v1/status", headers=self.headers, timeout=5)
         assert response.status_code == 200, f"status: {response.status_code} {response.text}"
         return response.json()
 
@@ -106,7 +114,7 @@ class ControlClient:
         body: dict[str, Any] = {"action": action, "reason": reason}
         if params:
             body["params"] = params
-        response = requests.post(self.url + "/v1/actions", json=body, headers=self.headers, timeout=5)
+        response = self.http.post(self.url + "/v1/actions", json=body, headers=self.headers, timeout=5)
         assert response.status_code == 202, f"{action}: {response.status_code} {response.text}"
         return response.json()["id"]
 
