@@ -326,7 +326,8 @@ class RankscopeCallback(CallbackParts, TrainerCallback):
 
     def _attach_comm_hook(self, world_size: int) -> None:
         if self._trainer is None:
-            if world_size > 1:
+            # Without the Trainer no DDP hook; the collective view, when on, times the collectives anyway.
+            if world_size > 1 and getattr(self.monitor, "collectives", None) is None:
                 self._log.warning(
                     "comm_hook",
                     "rankscope: comm time not measured; add the callback with RankscopeCallback.attach(trainer)",
