@@ -18,8 +18,10 @@ import pytest
 
 from tests.support import samples
 
-#: Issue 14's goal: the page of one rank at demo.yaml's settings (benchmarks/README.md, goals table).
-SERIES_PER_RANK_BUDGET = 100
+#: Issue 14's goal: the page of one rank at demo.yaml's settings (benchmarks/README.md, goals table), 100,
+#: raised by one for `rankscope_host_cpu_load_ratio` (issue 23: a step-time rise caused by other processes on
+#: the machine must be visible beside the incident; one gauge per rank, 4096 stored series at 4096 ranks).
+SERIES_PER_RANK_BUDGET = 101
 #: Issues 22/26: what a rank adds to see every collective and to name its phase while hung (see above).
 COLLECTIVE_SERIES_ALLOWANCE = 10
 _COLLECTIVE_FAMILIES = (
