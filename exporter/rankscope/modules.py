@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -239,10 +239,12 @@ def _torch_gradient_norms(
     same bits; `ModuleStats` checks that once against torch itself.
 
     Returns, per device/dtype group, the gradients' positions in `grads` and their norms; and the total."""
-    grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # the grouping torch's own uses
+    # The grouping torch's own uses (its private helpers are typed for lists of optional tensors).
+    grouped = _group_tensors_by_device_and_dtype([cast("list[torch.Tensor | None]", grads)], with_indices=True)
     groups = []
     stacked: list[torch.Tensor] = []
-    for (device, _), ([device_grads], positions) in grouped.items():
+    for (device, _), ([optional_grads], positions) in grouped.items():
+        device_grads = cast("list[torch.Tensor]", optional_grads)
         if (foreach is None and _has_foreach_support(device_grads, device)) or (
             foreach and _device_has_foreach_support(device)
         ):
@@ -351,7 +353,7 @@ class ModuleStats:
             with_grads = [p for p in parameters if p.grad is not None]
             if not with_grads:
                 return None
-            grads = [p.grad for p in with_grads]
+            grads = [p.grad for p in with_grads if p.grad is not None]
             groups, total = _torch_gradient_norms(grads, foreach)
             if not self._sharing_checked:
                 # Once per run: the total must be torch's own, bit for bit, or sharing is off for good.
@@ -458,6 +460,7 @@ class ModuleStats:
         norms = torch.stack(torch._foreach_norm(shard.snapshot().group_slices))
         if len(shard.bounds) == len(self._names):
             return norms
+        assert shard.bound_groups is not None  # set with the bounds (above)
         return torch.zeros(len(self._names), device=shard.device).index_copy_(0, shard.bound_groups, norms)
 
     def _drop_snapshots(self) -> None:

@@ -17,6 +17,7 @@ queue, an internal error) answers 5xx.
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -240,7 +241,7 @@ class _Body:
     """The request body: read once, at most the declared length, and drained if left unread."""
 
     def __init__(self, environ: dict[str, Any]) -> None:
-        self._input = environ.get("wsgi.input")
+        self._input = environ.get("wsgi.input") or io.BytesIO()  # PEP 3333 requires it; a bare call may omit it
         self._declared = _content_length(environ.get("CONTENT_LENGTH"))
         self._content_type = environ.get("CONTENT_TYPE", "")
         self._consumed = False

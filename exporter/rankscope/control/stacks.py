@@ -134,9 +134,10 @@ def format_ranks(ranks: Iterable[int]) -> str:
     """ "rank 3", "ranks 0-4094", "ranks 0-2, 5, 7-9"."""
     ordered = sorted(set(ranks))
     spans: list[str] = []
-    start = previous = None
-    for rank in ordered + [None]:  # type: ignore[list-item]
-        if start is not None and (rank is None or rank != previous + 1):
+    start: int | None = None
+    previous: int | None = None
+    for rank in [*ordered, None]:
+        if start is not None and previous is not None and (rank is None or rank != previous + 1):
             spans.append(str(start) if start == previous else f"{start}-{previous}")
             start = None
         if rank is not None and start is None:

@@ -32,10 +32,10 @@ try:  # prometheus_client >= 0.21 knows UTF-8 names and escapes the rest to unde
     from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
 except ImportError:  # pragma: no cover - older clients only allow legacy names anyway
 
-    def escape_metric_name(s: str) -> str:
+    def escape_metric_name(s: str, escaping: str = "underscores") -> str:
         return s
 
-    def escape_label_name(s: str) -> str:
+    def escape_label_name(s: str, escaping: str = "underscores") -> str:
         return s
 
 
@@ -84,7 +84,8 @@ def _header(name: str, kind: str, documentation: str) -> str:
 
 def _own(child: Any, cls: type) -> bool:
     """Whether `child` samples as `cls` does (no subclass override, no Gauge.set_function)."""
-    return type(child)._child_samples is cls._child_samples and "_child_samples" not in vars(child)
+    own = getattr(type(child), "_child_samples", None)
+    return own is getattr(cls, "_child_samples", None) and "_child_samples" not in vars(child)
 
 
 class _Scalar:
@@ -156,7 +157,7 @@ class _Family:
 
     def __init__(self, metric: MetricWrapperBase) -> None:
         self.metric = metric
-        self.header = _header(metric._name, metric._type, metric._documentation)
+        self.header = _header(metric._name, metric._type or "untyped", metric._documentation)
         self.parent = bool(metric._is_parent())
         self.known: dict[tuple[str, ...], Any] = {}
         self.children: list[Any] = []  # the child objects the renderers below were made for, in order
@@ -175,7 +176,7 @@ class _Family:
                 children = list(metric._metrics.values())
             if children != self.children or self._turned():  # identity: a child added, removed, or made again
                 with metric._lock:
-                    self._follow(list(metric._metrics.items()))
+                    self._follow([(tuple(key), child) for key, child in metric._metrics.items()])
         elif self._turned():
             self._follow([((), self.metric)])
         if self.scalars is not None:
