@@ -554,7 +554,7 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
     ("override", "message"),
     [
         ("imbalance_ratio=abc", "imbalance_ratio must be a number"),
-        ("imbalance_ratio=0.9", "imbalance_ratio must be greater than 1"),
+        ("imbalance_ratio=0.9", "imbalance_ratio must be > 1"),
         ("host_memory_ratio=85", "host_memory_ratio must be between 0 and 1"),
         ("host_memory_for=5 minutes", "host_memory_for must be a Prometheus duration"),
         ("no_such_knob=1", "no tunable matches 'no_such_knob'"),
@@ -568,7 +568,7 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("nonfinite_action=stop", "nonfinite_action must be one of reduce_lr, rollback (the actions"),
         ("memory_action=reduce_lr", "memory_action must be one of checkpoint, reduce_micro_batch (the actions"),
         ("slow_step_action=rollback", 'slow_step_action must be one of "" (no action), reduce_micro_batch'),
-        ("slow_step_seconds=0", "slow_step_seconds must be greater than 0"),
+        ("slow_step_seconds=0", "slow_step_seconds must be > 0"),
     ],
 )
 def test_a_bad_override_fails_with_one_line_naming_the_setting(override, message, capsys, tmp_path):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from rankscope import contract
+from rankscope._checks import check_range
 from rankscope.control import catalog
 from rankscope.mixin.promql import metric_name, num
 
@@ -298,18 +299,14 @@ class Tunables:
         for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
                      "loss_scale_overflow_share", "loss_plateau_improvement",
                      "val_loss_plateau_improvement"):  # fmt: skip
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"{name} must be between 0 and 1 (exclusive), got {getattr(self, name)}")
+            check_range(name, getattr(self, name), gt=0, lt=1)
         for name in ("divergence_factor", "imbalance_ratio"):
-            if not getattr(self, name) > 1:
-                raise ValueError(f"{name} must be greater than 1, got {getattr(self, name)}")
+            check_range(name, getattr(self, name), gt=1)
         for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
                      "loss_scale_min", "slow_step_seconds", "hang_floor_seconds", "hang_step_multiple",
                      "hang_checkpoint_limit_seconds", "hang_validation_limit_seconds"):  # fmt: skip
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
-        if self.nonfinite_steps < 0:
-            raise ValueError(f"nonfinite_steps must be >= 0, got {self.nonfinite_steps}")
+            check_range(name, getattr(self, name), gt=0)
+        check_range("nonfinite_steps", self.nonfinite_steps, ge=0)
         for f in fields(self):
             if f.name.endswith("_severity") and getattr(self, f.name) not in SEVERITIES:
                 raise ValueError(f"{f.name} must be one of {', '.join(SEVERITIES)}, got {getattr(self, f.name)!r}")
