@@ -263,9 +263,3 @@ def replay_rollback(
     expected.update({step: after[step] for step in range(restored + 1, end + 1)})
     assert replay.losses() == expected
 
-
-def load_rule_generator() -> Any:
-    """The rule generator module (rankscope.mixin.rules)."""
-    from rankscope.mixin import rules
-
-    return rules
