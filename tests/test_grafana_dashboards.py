@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rankscope.contract import METRICS
+from rankscope.contract import METRICS, PHASES
 from rankscope.mixin import cli, promql
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.dashboards import generate
@@ -192,6 +192,23 @@ def test_panel_queries_lists_every_target_with_variables_filled_in(boards):
     assert "GPU utilisation" in gpu and "Loss" not in gpu
 
 
+def test_the_phase_timeline_names_every_phase_of_the_contract(boards):
+    (ranks,) = [b for b in boards if b["title"] == "rankscope / Ranks"]
+    (panel,) = [p for p in _panels(ranks) if p["type"] == "state-timeline"]
+    assert [t["expr"] for t in panel["targets"]] == ['rankscope_phase{run_id="$run", rank=~"$rank"}']
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    assert mapping["type"] == "value"
+    assert {int(value): result["text"] for value, result in mapping["options"].items()} == dict(enumerate(PHASES))
+
+
+def test_a_phase_appended_to_the_contract_reaches_the_timeline(monkeypatch):
+    monkeypatch.setattr(generate, "PHASES", (*PHASES, "new_phase"))
+    board = json.loads(generate.render()["ranks.json"])
+    (panel,) = [p for p in _panels(board) if p["type"] == "state-timeline"]
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    assert mapping["options"][str(len(PHASES))]["text"] == "new_phase"
+
+
 def test_substitute_fills_both_variable_syntaxes_and_rejects_unknown_ones():
     assert substitute('x{rank=~"${rank}", run_id="$run"}[$__rate_interval]', run="r", rank="0|1") == (
         'x{rank=~"0|1", run_id="r"}[1m]'
@@ -235,6 +252,10 @@ PANEL_TUNABLES = {
     "Data wait per rank (p90)": (("data_wait_p90_seconds",), ("data_wait_p90_seconds", "data_loader_for")),
     "Data-wait share per rank": (("data_wait_share",), ("data_wait_share", "data_loader_for")),
     "Goodput": (("goodput_ratio",), ("goodput_ratio", "goodput_window", "goodput_for")),
+    "Time in the current phase per rank": (
+        ("hang_floor_seconds",),
+        ("hang_floor_seconds", "hang_step_multiple", "hang_severity"),
+    ),
 }
 
 

@@ -15,6 +15,7 @@ so "nothing happened" shows as 0 rather than as "No data".
 
 from __future__ import annotations
 
+from rankscope.contract import PHASES
 from rankscope.mixin import promql
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.dashboards.panels import (
@@ -28,6 +29,7 @@ from rankscope.mixin.dashboards.panels import (
     m,
     quantile,
     stat,
+    state_timeline,
     timeseries,
     to_json,
 )
@@ -382,6 +384,7 @@ def ranks() -> dict:
                     ),
                 ],
             ),
+            phase_row(),
             (
                 "Waiting",
                 [
@@ -467,6 +470,35 @@ def ranks() -> dict:
                         w=24,
                     ),
                 ],
+            ),
+        ],
+    )
+
+
+def phase_row() -> tuple[str, list]:
+    """What each rank is doing and for how long (rankscope_phase, served even while a rank is blocked): the
+    rank the hang alert names is the one in another phase, or in its phase for longest."""
+    return (
+        "Phase",
+        [
+            state_timeline(
+                "Phase per rank",
+                Target(f"{m('phase')}{{{RANK_SEL}}}", "rank {{rank}}"),
+                PHASES,
+                description="What each rank is doing (rankscope_phase): during a hang the ranks waiting in a "
+                "collective and the one that never entered it show as different phases.",
+                w=12,
+            ),
+            timeseries(
+                "Time in the current phase per rank",
+                "s",
+                Target(f"time() - {m('phase_started_timestamp_seconds')}{{{RANK_SEL}}}", "rank {{rank}}"),
+                description=f"Seconds since each rank entered its current phase. RankscopeRankHung "
+                f"({T.hang_severity}) fires when the run completes no step for longer than "
+                f"{promql.num(T.hang_step_multiple)} times its recent step time, and never sooner than "
+                f"{promql.num(T.hang_floor_seconds)} s (the line).",
+                min_val=0,
+                threshold=T.hang_floor_seconds,
             ),
         ],
     )

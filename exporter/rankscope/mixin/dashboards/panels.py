@@ -21,6 +21,7 @@ from grafana_foundation_sdk.builders import dashboard as dash_b
 from grafana_foundation_sdk.builders import heatmap as heatmap_b
 from grafana_foundation_sdk.builders import prometheus as prom_b
 from grafana_foundation_sdk.builders import stat as stat_b
+from grafana_foundation_sdk.builders import statetimeline as timeline_b
 from grafana_foundation_sdk.builders import timeseries as ts_b
 from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -52,6 +53,7 @@ __all__ = [
     "rank_variable",
     "run_variable",
     "stat",
+    "state_timeline",
     "timeseries",
     "to_json",
 ]
@@ -241,6 +243,45 @@ def stat(
     if threshold is not None:
         panel = panel.thresholds(_thresholds(threshold))
     return _common(panel, title, unit, [target], description, w, h)
+
+
+#: Colours of a state timeline's states, by index (cycled); Grafana's palette names. No red: a state is not an
+#: alert (the alert's own panels and annotations are red).
+_STATE_COLORS = ("text", "blue", "purple", "green", "orange", "yellow", "super-light-blue", "dark-gray")
+
+
+def state_timeline(
+    title: str,
+    target: Target,
+    states: Sequence[str],
+    *,
+    description: str = "",
+    w: int = 24,
+    h: int = 8,
+) -> Builder[dash_m.Panel]:
+    """One row per series of a gauge whose value is an index into `states` (pass the contract's tuple, never a
+    copy): each index is drawn as its name, so a new state appended there reaches the panel by itself."""
+    names = {
+        str(index): dash_m.ValueMappingResult(text=name, color=_STATE_COLORS[index % len(_STATE_COLORS)], index=index)
+        for index, name in enumerate(states)
+    }
+    panel = (
+        timeline_b.Panel()
+        .mappings([dash_m.ValueMap(options=names)])
+        .color_scheme(dash_b.FieldColor().mode(dash_m.FieldColorModeId.FIXED).fixed_color("text"))
+        .show_value(common_m.VisibilityMode.AUTO)
+        .merge_values(True)
+        .row_height(0.9)
+        .fill_opacity(80)
+        .line_width(0)
+        .legend(
+            common_b.VizLegendOptions()
+            .show_legend(True)
+            .display_mode(common_m.LegendDisplayMode.LIST)
+            .placement(common_m.LegendPlacement.BOTTOM)
+        )
+    )
+    return _common(panel, title, "none", [target], description, w, h)
 
 
 def heatmap(
