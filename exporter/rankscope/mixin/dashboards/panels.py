@@ -33,6 +33,7 @@ from rankscope_trainer.metrics import TRAINER_METRICS
 
 from rankscope.contract import PREFIX, MetricKind, metric
 from rankscope.mixin.dashboards.queries import REQUIRES_GPU_TAG, metric_names
+from rankscope.mixin.promql import MFU, PEAK_FLOPS
 
 __all__ = [
     "DATASOURCE",
@@ -62,7 +63,8 @@ __all__ = [
 DATASOURCE_UID = "rankscope-prometheus"
 DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 
-#: Metrics that only exist on a GPU (NVML and device-memory probes, each step's peak). A panel
+#: Metrics that only exist on a GPU (NVML and device-memory probes, each step's peak; the devices' peak
+#: FLOP/s, known from the table of GPUs unless configured, and the MFU recorded from it). A panel
 #: reading any of them is tagged ``requires:gpu`` automatically.
 GPU_ONLY_METRICS = frozenset(
     metric(name).name
@@ -72,8 +74,9 @@ GPU_ONLY_METRICS = frozenset(
         "gpu_utilization_ratio",
         "gpu_power_watts",
         "gpu_temperature_celsius",
+        "peak_flops_per_second",
     )
-)
+) | {MFU, PEAK_FLOPS}
 
 #: Label matchers for "this run" and "this run, the selected ranks".
 RUN_SEL = 'run_id="$run"'
