@@ -124,6 +124,8 @@ def test_a_diverging_loss_gets_the_learning_rate_reduced_once_on_both_ranks_and_
     for rank in (0, 1):
         st.wait(lambda r=rank: _scrapes_past(st, r, reduced_at + 2) >= 6, f"rank {rank} scraped after the cut", 60)
     assert st.stop_trainer() == 0
+    # The whole log, read after those scrapes: a scrape is compared only where the log holds its next steps.
+    records = job.records("train")
     for rank in (0, 1):
         _every_scraped_rate_matches_rank_0s_log(st, rank, records, changed_at=(DIVERGE_AT - 1, reduced_at))
     _expect_page_if_rule_says_so(st, "RankscopeLossDiverging")
