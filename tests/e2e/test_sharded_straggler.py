@@ -50,7 +50,8 @@ class ShardedRun:
     def start(self, *arguments: str) -> None:
         out = self.workdir / "out"
         ports = ["--metrics-port", str(self.ports.metrics), "--control-port", str(self.ports.control)]
-        target = ["examples/fsdp2_loop.py", "--out", str(out), "--max-steps", "100000", "--sleep", "0.05", *ports]
+        loop = ["--out", str(out), "--max-steps", "100000", "--sleep", "0.05", *ports]
+        target = ["examples/fsdp2_loop.py", *loop, *arguments]  # the run's own flags (--slow-rank ...) last
         env = {"RANKSCOPE_RUN_ID": self.run_id, "RANKSCOPE_CONTROL_TOKEN": self.token}
         self.proc = torchrun(NPROC, target, self.master_port, env, log=self.log)
 
