@@ -262,4 +262,3 @@ def replay_rollback(
     expected = {step: before[step] for step in range(start + 1, restored + 1)}
     expected.update({step: after[step] for step in range(restored + 1, end + 1)})
     assert replay.losses() == expected
-
