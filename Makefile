@@ -3,7 +3,7 @@
 
 # Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores: ~5 minutes).
 DEMO_STEPS ?= 3000
-# The fault injected partway through (none, nonfinite, divergence, straggler; see devstack/narrator.py).
+# The fault injected partway through (none, nonfinite, divergence, straggler, hang; see devstack/narrator.py).
 SCENARIO ?= nonfinite
 # MTLS=1: the whole loop over TLS with client certificates (throwaway CA in .stack/certs; docs/security.md).
 MTLS ?=

@@ -20,9 +20,13 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from rankscope.report.errors import ReportError
 from rankscope.report.prom import Prometheus
+
+#: Lines of the folded stacks the demo prints after a restart (the whole file is beside the checkpoints).
+STACK_LINES = 12
 
 __all__ = ["LOSS_WINDOW_SECONDS", "SCENARIOS", "Narrator", "PagerSink", "Scenario", "stamped"]
 
@@ -84,6 +88,8 @@ class Scenario:
     """Trainer `--set` overrides that switch the fault on."""
     expect: str
     """One line for the banner."""
+    torchrun: tuple[str, ...] = ()
+    """Extra torchrun options the fault needs (a hang's restart needs a restart left)."""
 
     @property
     def fault_step(self) -> int | None:
@@ -114,6 +120,13 @@ SCENARIOS: dict[str, Scenario] = {
         "from step 300 rank 1 is 3x slower: RankscopeRankImbalance pages naming rank 1 after its 10m `for` "
         "(nothing to act on)",
     ),
+    "hang": Scenario(
+        ("faults.hang.at_step=300", "faults.hang.rank=1", "faults.hang.kind=data"),
+        "at step 300 rank 1 blocks in its data loader for ever: RankscopeRankHung names rank 1 and its phase "
+        "within about 30 s, the restart writes every rank's stacks beside the checkpoints, torchrun starts the "
+        "group again and it trains on from the newest checkpoint",
+        torchrun=("--max-restarts=1",),
+    ),
 }
 
 
@@ -127,6 +140,7 @@ class Narrator:
         token: str,
         say: Callable[[str], None] = lambda line: print(line, flush=True),
         interval: float = 1.0,
+        stacks_dir: Path | None = None,
     ) -> None:
         self._prometheus, self._control, self._token = Prometheus(prometheus, timeout=3), control, token
         self._say, self._interval = say, interval
@@ -134,6 +148,7 @@ class Narrator:
         self._settled: set[str] = set()
         self._after: list[tuple[float, str, float | None]] = []  # (action time, what, loss before) to report
         self._rounds = 0
+        self._stacks_dir = stacks_dir
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="demo-narrator", daemon=True)
 
@@ -185,8 +200,24 @@ class Narrator:
             if record["status"] == "applied":
                 what = f"{record['action']} at step {record['step']}"
                 self._after.append((at, what, self._loss_mean(at)))
+            if record["action"] == "restart":
+                self._say_stacks()
         self._report_loss_after()
         self._rounds += 1
+
+    def _say_stacks(self) -> None:
+        """The folded stacks the restart wrote beside the checkpoints (the newest file), a few lines of them."""
+        files = (
+            sorted(self._stacks_dir.glob("rankscope-stacks-*.txt"), key=lambda f: f.stat().st_mtime)
+            if (self._stacks_dir is not None and self._stacks_dir.is_dir())
+            else []
+        )
+        if not files:
+            return
+        lines = [line for line in files[-1].read_text().splitlines() if line.strip()]
+        self._say(stamped(f"stacks written before the restart: {files[-1]}"))
+        for line in lines[:STACK_LINES]:
+            self._say(f"    {line}")
 
     def _loss_mean(self, end: float) -> float | None:
         """The training loss averaged over the window ending at `end` (every rank's samples)."""
@@ -221,4 +252,7 @@ def _describe(labels: dict[str, str]) -> str:
     where = f"run {labels.get('run_id', '?')}"
     if "rank" in labels:
         where += f", rank {labels['rank']}"
+    for name in ("phase", "suspect"):  # the hang alert's: what the stuck rank is doing, and why it is the suspect
+        if name in labels:
+            where += f", {name} {labels[name]}"
     return where

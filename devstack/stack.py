@@ -148,6 +148,7 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
         *args.overrides,
     ]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    argv += list(SCENARIOS[args.scenario].torchrun)
     argv += ["-m", "rankscope_trainer", "--config", str(args.config.resolve())]
     for setting in settings:
         argv += ["--set", setting]
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         if certs is not None:
             print(f"  mTLS            certificates, keys and web config in {certs.folder}", flush=True)
         narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
-                            token.read_text().strip()).start()  # fmt: skip
+                            token.read_text().strip(), stacks_dir=run_dir / "checkpoints").start()  # fmt: skip
         try:
             _supervise(stop, monitoring, trainer)
         finally:

@@ -64,3 +64,29 @@ def test_the_demo_points_alertmanagers_pager_at_its_sink():
     )
     ports = choose_ports(args, pager=45678)
     assert ports.local("pager", 9095) == "127.0.0.1:45678"
+
+
+def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_its_stacks(tmp_path):
+    """`make demo SCENARIO=hang`: torchrun gets a restart to spend, the alert line names the rank, its phase
+    and why it is the suspect, and after the restart the narration prints the folded stacks it wrote."""
+    import argparse
+
+    from devstack.narrator import Narrator, _describe
+    from devstack.ports import Ports
+    from devstack.stack import _trainer_argv
+
+    args = argparse.Namespace(
+        scenario="hang", nproc=2, steps=3000, overrides=[], config=REPO / "trainer/rankscope_trainer/configs/demo.yaml"
+    )
+    ports = Ports(prometheus=1, alertmanager=2, control=3, metrics=4)
+    argv = _trainer_argv(args, ports, tmp_path, tmp_path / "token")
+    assert "--max-restarts=1" in argv[: argv.index("rankscope_trainer")]
+    labels = {"run_id": "demo", "rank": "1", "phase": "data_wait", "suspect": "outside_collective"}
+    assert _describe(labels) == "run demo, rank 1, phase data_wait, suspect outside_collective"
+
+    (tmp_path / "rankscope-stacks-restart-1.txt").write_text("rank 0: all_reduce in backward\nrank 1: get in queue\n")
+    lines: list[str] = []
+    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, stacks_dir=tmp_path)
+    narrator._say_stacks()
+    assert "rankscope-stacks-restart-1.txt" in lines[0]
+    assert lines[1:] == ["    rank 0: all_reduce in backward", "    rank 1: get in queue"]
