@@ -88,8 +88,8 @@ class Scenario:
     """Trainer `--set` overrides that switch the fault on."""
     expect: str
     """One line for the banner."""
-    torchrun: tuple[str, ...] = ()
-    """Extra torchrun options the fault needs (a hang's restart needs a restart left)."""
+    restarts: int = 0
+    """torchrun --max-restarts for the fault (a hang's restart needs one left); the group then resumes."""
 
     @property
     def fault_step(self) -> int | None:
@@ -125,7 +125,7 @@ SCENARIOS: dict[str, Scenario] = {
         "at step 300 rank 1 blocks in its data loader for ever: RankscopeRankHung names rank 1 and its phase "
         "within about 30 s, the restart writes every rank's stacks beside the checkpoints, torchrun starts the "
         "group again and it trains on from the newest checkpoint",
-        torchrun=("--max-restarts=1",),
+        restarts=1,
     ),
 }
 

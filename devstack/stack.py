@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -111,6 +112,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the fault the demo injects partway through, to show an alert turning into an action (default nonfinite)",
     )
     args = parser.parse_args(argv)
+    args.started_at = time.time()  # names a restarting scenario's checkpoint folder (checkpoint_dir)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     if args.steps is not None and args.steps < 1:
@@ -133,6 +135,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def checkpoint_dir(args: argparse.Namespace, run_dir: Path) -> Path:
+    """Where this launch's trainer checkpoints. A scenario that restarts the group resumes from the newest
+    checkpoint (`--resume auto`), so it gets a folder of its own per launch: a restarted group must find
+    this launch's checkpoints, never an earlier demo's (which are kept, never deleted)."""
+    folder = run_dir / "checkpoints"
+    if SCENARIOS[args.scenario].restarts:
+        folder = folder / f"{args.scenario}-{int(args.started_at)}"
+    return folder
+
+
 def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: Path) -> list[str]:
     settings = [
         "metrics.host=127.0.0.1",
@@ -141,15 +153,19 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
         "control.host=127.0.0.1",
         f"control.port={ports.control}",
         f"control.token_file={token}",
-        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        f"checkpoint.dir={checkpoint_dir(args, run_dir)}",
         f"run.log_file={run_dir / 'log.jsonl'}",
         *([f"run.max_steps={args.steps}"] if args.steps else []),
         *SCENARIOS[args.scenario].settings,
         *args.overrides,
     ]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    argv += list(SCENARIOS[args.scenario].torchrun)
+    restarts = SCENARIOS[args.scenario].restarts
+    if restarts:
+        argv.append(f"--max-restarts={restarts}")
     argv += ["-m", "rankscope_trainer", "--config", str(args.config.resolve())]
+    if restarts:
+        argv += ["--resume", "auto"]  # a restarted group trains on from its newest checkpoint
     for setting in settings:
         argv += ["--set", setting]
     return argv
@@ -285,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if certs is not None:
             print(f"  mTLS            certificates, keys and web config in {certs.folder}", flush=True)
         narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
-                            token.read_text().strip(), stacks_dir=run_dir / "checkpoints").start()  # fmt: skip
+                            token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir)).start()  # fmt: skip
         try:
             _supervise(stop, monitoring, trainer)
         finally:

@@ -75,12 +75,13 @@ def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_i
     from devstack.ports import Ports
     from devstack.stack import _trainer_argv
 
-    args = argparse.Namespace(
-        scenario="hang", nproc=2, steps=3000, overrides=[], config=REPO / "trainer/rankscope_trainer/configs/demo.yaml"
-    )
+    config = REPO / "trainer/rankscope_trainer/configs/demo.yaml"
+    args = argparse.Namespace(scenario="hang", nproc=2, steps=3000, overrides=[], config=config, started_at=1.0)
     ports = Ports(prometheus=1, alertmanager=2, control=3, metrics=4)
     argv = _trainer_argv(args, ports, tmp_path, tmp_path / "token")
     assert "--max-restarts=1" in argv[: argv.index("rankscope_trainer")]
+    assert argv[-2:] != ["--resume", "auto"] and "auto" in argv  # the restarted group resumes ...
+    assert f"checkpoint.dir={tmp_path / 'checkpoints' / 'hang-1'}" in argv  # ... from this launch's own folder
     labels = {"run_id": "demo", "rank": "1", "phase": "data_wait", "suspect": "outside_collective"}
     assert _describe(labels) == "run demo, rank 1, phase data_wait, suspect outside_collective"
 
