@@ -43,7 +43,10 @@ def torchrun(
     `target` is e.g. ["examples/minimal_ddp.py", "--flag"] or ["-m", "rankscope_trainer", ...].
     Output goes to `log` (read it on failure) so a chatty job cannot fill a pipe.
     """
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python
+    # stack to the log first, so a crash in a CI run can be read from its output.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env.update(extra_env or {})
     cmd = [
         sys.executable,
         "-m",
@@ -97,11 +100,21 @@ def sample_value(page_samples: dict, name: str, **labels: str) -> float | None:
     return found[0] if found else None
 
 
+#: Where a log says why a process died; the first of them is shown even when the tail has moved past it.
+_FATAL = ("Fatal Python error", "terminate called", "Traceback (most recent call last)")
+
+
 def tail(path: Path, lines: int = 60) -> str:
+    """The log's last `lines` lines, preceded by the first fatal error's lines if the tail has moved past it."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(no log: {exc})"
+    start = max(len(text) - lines, 0)
+    first = next((i for i, line in enumerate(text) if any(mark in line for mark in _FATAL)), None)
+    if first is None or first >= start:
+        return "\n".join(text[start:])
+    return "\n".join([*text[first : min(first + lines, start)], "[...]", *text[start:]])
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 20) -> int:

@@ -211,3 +211,16 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         for proc in started:
             if proc.is_running():
                 proc.kill()
+
+
+def test_a_job_log_s_tail_keeps_the_first_fatal_error_that_scrolled_past_it(tmp_path):
+    from devstack.jobs import tail
+
+    log = tmp_path / "job.log"
+    lines = ["starting", "Fatal Python error: Aborted", "Thread 0x1 (most recent call first):", *map(str, range(100))]
+    log.write_text("\n".join(lines))
+    shown = tail(log, lines=10).splitlines()
+    assert shown[:2] == ["Fatal Python error: Aborted", "Thread 0x1 (most recent call first):"]
+    assert shown[-10:] == [str(n) for n in range(90, 100)]
+    log.write_text("\n".join(map(str, range(100))))
+    assert tail(log, lines=10).splitlines() == [str(n) for n in range(90, 100)]

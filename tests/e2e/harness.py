@@ -366,6 +366,10 @@ class Stack:
         parts.append(self._section("trainer control status", lambda: json.dumps(self.status(), indent=1)[-4000:]))
         if self.trainer is not None:
             parts.append(f"--- trainer output (tail) ---\n{self.trainer.tail(40)}")
+            # Where a stuck trainer is stuck: every rank's Python stacks (its serving threads still
+            # answer), and what the kernel says each process of the job (data workers too) waits on.
+            parts.append(self._section("trainer stacks", self._trainer_stacks))
+            parts.append(self._section("trainer processes", lambda: process_tree(self.job.proc.pid)))
         parts.append(self.monitoring.log_tails(10))
         return "\n".join(parts)
 
@@ -381,6 +385,17 @@ class Stack:
             f"{t['scrapeUrl']} health={t['health']} lastScrape={t['lastScrape']} error={t['lastError']!r}"
             for t in self.prometheus("/api/v1/targets")["activeTargets"]
         )
+
+    def _trainer_stacks(self) -> str:
+        answer = requests.get(
+            f"http://127.0.0.1:{self.ports.control}/v1/stacks",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=30,
+        )
+        answer.raise_for_status()
+        found = answer.json()
+        groups = "\n".join(f"=== ranks {g['ranks']} ===\n{g['stacks']}" for g in found["groups"])
+        return f"{found['summary']}\n{groups[:8000]}"  # every thread of every rank: the summary says where
 
     def _rule_states(self) -> str:
         lines = []
@@ -405,6 +420,24 @@ class Stack:
             f"alerts={[short_labels(a['labels']) for a in d.body.get('alerts', [])]}"
             for d in self.pager.received()
         )
+
+
+def process_tree(pid: int) -> str:
+    """One line per process of `pid`'s tree: state, CPU seconds, and the kernel function it sleeps in."""
+    lines = []
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            with process.oneshot():
+                cpu = process.cpu_times()
+                wchan = Path(f"/proc/{process.pid}/wchan").read_text() if Path("/proc").is_dir() else "?"
+                lines.append(
+                    f"pid {process.pid} ppid {process.ppid()} {process.status()} cpu {cpu.user + cpu.system:.1f}s "
+                    f"threads {process.num_threads()} wchan {wchan or '-'}: {' '.join(process.cmdline())[:120]}"
+                )
+        except (psutil.Error, OSError) as exc:
+            lines.append(f"pid {process.pid}: {exc!r}")
+    return "\n".join(lines)
 
 
 def short_labels(labels: dict[str, str]) -> str:
