@@ -185,3 +185,50 @@ def test_tensor_parallel_collectives_are_labelled_with_the_tensor_dim() -> None:
         assert _value(page, "rankscope_collectives_total", dim="tensor") >= 2, page
         seconds = _value(page, "rankscope_collective_seconds_total", kind="all_reduce", dim="tensor")
         assert seconds is not None and seconds > 0, page
+
+
+def _in_flight_worker(rank: int, world: int, port: int, queue: Any, signal_file: str) -> None:
+    try:
+        _init(rank, world, port)
+        import time
+        from pathlib import Path
+
+        import torch.distributed as dist
+        from rankscope.control.stacks import fold, own_stacks, render
+
+        monitor = _monitor()
+        dist.init_process_group("gloo")
+        with monitor.step():  # the step's end attaches the view's hooks to the group
+            dist.barrier()
+        found: dict[str, Any] = {"rank": rank}
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(4), async_op=True)  # rank 1 joins only once this was read
+            found["during"] = monitor.collective_in_flight()
+            found["summary"] = render(fold({0: own_stacks(0, monitor.collective_in_flight)}), full=False)
+            Path(signal_file).write_text("read")
+            work.wait()
+            deadline = time.monotonic() + 60
+            while monitor.collective_in_flight() is not None and time.monotonic() < deadline:
+                time.sleep(0.05)  # the completion callback runs on gloo's thread, just after wait() returns
+            found["after"] = monitor.collective_in_flight()
+        else:
+            found["before_joining"] = monitor.collective_in_flight()
+            while not Path(signal_file).exists():
+                time.sleep(0.05)
+            dist.all_reduce(torch.ones(4))
+        dist.barrier()
+        monitor.close()
+        dist.destroy_process_group()
+        queue.put(found)
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def test_a_rank_waiting_in_a_collective_says_which_in_its_stacks_and_the_rank_outside_it_does_not(tmp_path) -> None:
+    rank0, rank1 = _spawn(_in_flight_worker, 2, str(tmp_path / "read"))
+    during = rank0["during"]
+    assert (during["kind"], during["dim"]) == ("all_reduce", "data"), during
+    assert during["since"] > 0
+    assert rank0["summary"].startswith("rank 0: in all_reduce (data): "), rank0["summary"]
+    assert rank0["after"] is None
+    assert rank1["before_joining"] is None

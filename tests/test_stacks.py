@@ -145,3 +145,32 @@ def test_rank_0s_stacks_route_needs_the_token(wsgi_call):
     assert wsgi_call(app, "GET", "/v1/stacks", headers={})[0] == 401
     assert wsgi_call(app, "GET", "/v1/stacks", headers={"Authorization": "Bearer nope"})[0] == 403
     assert wsgi_call(app, "GET", "/v1/stacks", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+
+
+def test_ranks_in_the_same_collective_fold_together_and_the_headline_names_it():
+    def answer(function: str, file: str, collective: dict | None) -> dict:
+        frames = [{"file": "/job/train.py", "line": 10, "function": "main", "code": ""},
+                  {"file": file, "line": 42, "function": function, "code": ""}]  # fmt: skip
+        found = {"threads": [{"thread": "MainThread", "main": True, "daemon": False, "frames": frames}]}
+        return {**found, "collective": collective} if collective else found
+
+    def reduce(since: float) -> dict:
+        return {"kind": "all_reduce", "dim": "data", "group": "0", "since": since}
+
+    # DDP's all-reduce runs under backward: the Python stack shows only the call that entered C++.
+    by_rank = {rank: answer("_engine_run_backward", "/torch/graph.py", reduce(100.0 + rank)) for rank in range(3)}
+    by_rank[3] = answer("get", "/job/loader.py", None)
+    by_rank[4] = answer("_engine_run_backward", "/torch/graph.py", {**reduce(1.0), "kind": "all_gather"})
+    assert stacks.render(stacks.fold(by_rank), full=False) == (
+        "ranks 0-2: in all_reduce (data): _engine_run_backward in graph.py:42; rank 3: get in loader.py:42; "
+        "rank 4: in all_gather (data): _engine_run_backward in graph.py:42"
+    )
+
+
+def test_stacks_are_handed_over_even_when_the_collective_cannot_be_read():
+    def broken() -> dict:
+        raise RuntimeError("flight recorder gone")
+
+    answer = stacks.own_stacks(0, broken)
+    assert "threads" in answer and "collective" not in answer
+    assert "flight recorder gone" in answer["collective_error"]

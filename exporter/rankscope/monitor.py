@@ -255,6 +255,19 @@ class Monitor:
         if self.collectives is not None:
             self.collectives.watch_mesh(mesh)
 
+    def collective_in_flight(self) -> dict[str, Any] | None:
+        """The oldest collective this rank has started and not finished, read now (kind, dim, group, since
+        in Unix seconds), or None. Stacks carry it: a wait inside C++ (DDP's all-reduce under backward)
+        shows in a Python stack only as the call that entered it."""
+        view = self.collectives
+        if view is None or not view.enabled:
+            return None
+        view.read()
+        flight = view.in_flight
+        if flight is None:
+            return None
+        return {"kind": flight.kind, "dim": flight.dim, "group": flight.group, "since": flight.started}
+
     # --- the loop ----------------------------------------------------------------
 
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:

@@ -148,6 +148,8 @@ class ControlChannel:
         self._instruments = getattr(monitor, "instruments", None) or Instruments(CollectorRegistry(), identity)
         # Time held paused is the goodput's "paused" bucket (a monitor without phases: nothing to account).
         self._phase = getattr(monitor, "phase", None) or (lambda name: contextlib.nullcontext())
+        # Stacks carry the collective in flight (a monitor without a collective view: none).
+        self._in_flight = getattr(monitor, "collective_in_flight", None)
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self._distributed else identity.rank
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -330,7 +332,7 @@ class ControlChannel:
             self._token = token
             self._restarter = Restarter(
                 self.config, self.queue, self.snapshot, peers=lambda: self._peer_urls, token=token, count=self._count,
-                lost=self._count_lost_steps,
+                lost=self._count_lost_steps, in_flight=self._in_flight,
             )  # fmt: skip
             self._instruments.child(PREFIX + "restart_lost_steps_total")  # at 0, so increase() sees the first loss
             deps = AppDeps(
@@ -374,7 +376,8 @@ class ControlChannel:
                 token = load_token(self.config)
                 if token is not None or self.config.insecure:
                     web = web_config_for("control", self.config.web_config_file)
-                    self._peer_server = serve_control(create_peer_app(self.rank, token), self.config.host, 0, web=web)
+                    app = create_peer_app(self.rank, token, in_flight=self._in_flight)
+                    self._peer_server = serve_control(app, self.config.host, 0, web=web)
                     url = self._peer_server.url
             except (ValueError, OSError, RuntimeError) as exc:
                 logger.warning("rankscope: rank %d serves no stacks: %s", self.rank, exc)
@@ -386,7 +389,7 @@ class ControlChannel:
 
     def _stacks(self, local: bool) -> dict[str, Any]:
         """GET /v1/stacks on rank 0: this rank's, or every rank's gathered over HTTP and folded."""
-        mine = own_stacks(self.rank)
+        mine = own_stacks(self.rank, self._in_flight)
         if local:
             return mine
         by_rank = {self.rank: mine, **gather(self._peer_urls, self._token)}

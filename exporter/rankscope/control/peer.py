@@ -23,7 +23,7 @@ from typing import Any
 from rankscope.control.actions import _short
 from rankscope.control.app import _REASONS, WSGIApp, _Answer, _authorize
 from rankscope.control.restart import RESTART_EXIT_STATUS
-from rankscope.control.stacks import own_stacks
+from rankscope.control.stacks import InFlightReader, own_stacks
 
 __all__ = ["PEER_ROUTES", "create_peer_app"]
 
@@ -34,8 +34,11 @@ PEER_ROUTES: dict[str, tuple[str, ...]] = {"/healthz": ("GET",), "/v1/stacks": (
 _EXIT_DELAY = 0.2
 
 
-def create_peer_app(rank: int, token: str | None, leave: Callable[[int], None] = os._exit) -> WSGIApp:
-    """The WSGI app of rank `rank`'s peer endpoint; `leave(status)` ends the process."""
+def create_peer_app(
+    rank: int, token: str | None, leave: Callable[[int], None] = os._exit, in_flight: InFlightReader | None = None
+) -> WSGIApp:
+    """The WSGI app of rank `rank`'s peer endpoint; `leave(status)` ends the process; `in_flight` reads the
+    collective the rank has in flight, handed over with its stacks."""
 
     def handle(environ: dict[str, Any]) -> _Answer:
         path = environ.get("PATH_INFO", "") or "/"
@@ -48,7 +51,7 @@ def create_peer_app(rank: int, token: str | None, leave: Callable[[int], None] =
             return _Answer(200, {"status": "ok"})
         _authorize(token, environ.get("HTTP_AUTHORIZATION"))
         if path == "/v1/stacks":
-            return _Answer(200, own_stacks(rank))
+            return _Answer(200, own_stacks(rank, in_flight))
         logger.warning("rankscope: rank %d: restart requested by rank 0; exiting with status %d", rank,
                        RESTART_EXIT_STATUS)  # fmt: skip
         threading.Thread(target=_leave_soon, args=(leave,), name="rankscope-exit", daemon=True).start()

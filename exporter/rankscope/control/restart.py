@@ -34,7 +34,15 @@ from typing import Any
 from rankscope._files import write_atomically
 from rankscope.control.actions import ActionRequest
 from rankscope.control.config import ControlConfig
-from rankscope.control.stacks import GATHER_PARALLEL, fold, gather, own_stacks, render, write_stacks
+from rankscope.control.stacks import (
+    GATHER_PARALLEL,
+    InFlightReader,
+    fold,
+    gather,
+    own_stacks,
+    render,
+    write_stacks,
+)
 from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
 
 __all__ = ["RESTART_EXIT_STATUS", "RestartLedger", "Restarter", "restarts_left"]
@@ -116,8 +124,10 @@ class Restarter:
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
         leave: Callable[[int], None] = os._exit,
+        in_flight: InFlightReader | None = None,
     ) -> None:
         self._config = config
+        self._in_flight = in_flight
         self._queue = queue
         self._snapshot = snapshot
         self._peers = peers
@@ -189,7 +199,7 @@ class Restarter:
         try:
             label = f"restart-{int(self._clock())}"
             peers = self._peers()
-            by_rank = {0: own_stacks(0), **gather(peers, self._token)}
+            by_rank = {0: own_stacks(0, self._in_flight), **gather(peers, self._token)}
             path = write_stacks(self._state_dir, by_rank, label)
             logger.warning("rankscope: restart %s: stacks in %s: %s", record.id, path, render(fold(by_rank), False))
             step = int(self._snapshot.read()["step"])  # the moment of exit: what is lost is counted from here

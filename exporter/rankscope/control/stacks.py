@@ -26,7 +26,7 @@ import time
 import traceback
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,25 +77,47 @@ def capture() -> list[dict[str, Any]]:
     return threads
 
 
-def own_stacks(rank: int) -> dict[str, Any]:
-    """This rank's answer to a stacks request."""
-    return {"rank": rank, "pid": os.getpid(), "time": time.time(), "threads": capture()}
+#: What a rank has in flight, read when its stacks are taken (`Monitor.collective_in_flight`).
+InFlightReader = Callable[[], "dict[str, Any] | None"]
 
 
-def headline(threads: list[dict[str, Any]]) -> str:
+def own_stacks(rank: int, in_flight: InFlightReader | None = None) -> dict[str, Any]:
+    """This rank's answer to a stacks request, with the oldest collective it has in flight, if any."""
+    answer: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "time": time.time(), "threads": capture()}
+    if in_flight is not None:
+        try:
+            collective = in_flight()
+        except Exception as exc:  # the stacks matter more than the collective: hand them over regardless
+            answer["collective_error"] = repr(exc)
+        else:
+            if collective is not None:
+                answer["collective"] = collective
+    return answer
+
+
+def headline(threads: list[dict[str, Any]], collective: dict[str, Any] | None = None) -> str:
     """Where the main thread is: its innermost frame outside the standard library's waiting
-    plumbing ("all_reduce in distributed_c10d.py:2950"), or "no main thread"."""
+    plumbing ("all_reduce in distributed_c10d.py:2950"), or "no main thread"; preceded by the
+    collective in flight, if any ("in all_reduce (data): _engine_run_backward in graph.py:829"): a
+    wait inside C++, as DDP's all-reduce under backward, shows in Python only as the call that entered it."""
     main = next((t for t in threads if t.get("main")), None)
     if main is None or not main.get("frames"):
-        return "no main thread"
-    frames = main["frames"]
-    chosen = next((f for f in reversed(frames) if not _plumbing(f["file"])), frames[-1])
-    return f"{chosen['function']} in {Path(chosen['file']).name}:{chosen['line']}"
+        where = "no main thread"
+    else:
+        frames = main["frames"]
+        chosen = next((f for f in reversed(frames) if not _plumbing(f["file"])), frames[-1])
+        where = f"{chosen['function']} in {Path(chosen['file']).name}:{chosen['line']}"
+    if collective is None:
+        return where
+    return f"in {collective['kind']} ({collective['dim']}): {where}"
 
 
-def _stack_text(threads: list[dict[str, Any]]) -> str:
-    """The stacks as text: what two ranks must share to fold together."""
+def _stack_text(threads: list[dict[str, Any]], collective: dict[str, Any] | None = None) -> str:
+    """The stacks as text: what two ranks must share to fold together (the collective's kind, dim and
+    group included, its start time not: ranks in one collective fold together)."""
     lines = []
+    if collective is not None:
+        lines.append(f"In flight: {collective['kind']} ({collective['dim']}, group {collective['group']})")
     for thread in threads:
         lines.append(f'Thread "{thread["thread"]}"{" (main)" if thread.get("main") else ""}:')
         for frame in thread["frames"]:
@@ -123,7 +145,8 @@ def fold(by_rank: Mapping[int, dict[str, Any]]) -> list[Folded]:
         if "error" in answer:
             text, head = f"no stacks: {answer['error']}", f"no stacks ({answer['error']})"
         else:
-            text, head = _stack_text(answer["threads"]), headline(answer["threads"])
+            collective = answer.get("collective")
+            text, head = _stack_text(answer["threads"], collective), headline(answer["threads"], collective)
         groups.setdefault(text, []).append(rank)
         heads[text] = head
     folded = [Folded(tuple(ranks), heads[text], text) for text, ranks in groups.items()]
