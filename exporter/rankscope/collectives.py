@@ -159,6 +159,9 @@ class CollectiveView:
         self._step_intervals: list[tuple[float, float]] = []
         self._pending: dict[int, _Pending] = {}  # issued, not seen finished; oldest first
         self._untimed = 0  # collectives whose completion torch does not report (see _issued)
+        # Per hooked (gloo) group, the send/recv it issued: the Flight Recorder does not record gloo's point-to-
+        # point ops (torch 2.14.1), so without this a pipeline stage's traffic would not be counted at all.
+        self._p2p_issued: dict[str, int] = {}
         # Read side (metrics thread only).
         self._last_record = -1
         # Per process group, the highest (collective, p2p) sequence ids seen: how many it started, however
@@ -241,6 +244,10 @@ class CollectiveView:
 
     def _issued(self, args: Any, group: str) -> None:
         """A collective was issued on a hooked group (training thread): note it, time it to completion."""
+        kind = kind_of(str(args.name))
+        if kind == "send_recv":
+            with self._lock:
+                self._p2p_issued[group] = self._p2p_issued.get(group, 0) + 1
         work = args.work
         if work is None or not self._timing:
             return
@@ -251,9 +258,12 @@ class CollectiveView:
         except RuntimeError:
             # torch's composite works (gloo's reduce_scatter_tensor, an all-reduce underneath) have no future
             # and never report completion (is_completed() stays False after wait()): counted by FR, not timed.
+            # Neither have gloo's send/recv works; they report completion only once the loop has waited on them,
+            # which bounds nothing (a pipeline stage computes between a recv's wait and its next op): counted
+            # above, not timed.
             self._untimed += 1
             return
-        item = _Pending(kind_of(str(args.name)), self.dim_of(group), group, now, time.time(), work)
+        item = _Pending(kind, self.dim_of(group), group, now, time.time(), work)
         with self._lock:
             self._pending[id(item)] = item
         future.add_done_callback(lambda _future: self._finish(item, time.perf_counter()))
@@ -361,9 +371,14 @@ class CollectiveView:
         self._fr_seconds[key] = self._fr_seconds.get(key, 0.0) + float(entry["duration_ms"]) / 1e3
 
     def started_by_dim(self) -> dict[str, int]:
-        """Collectives started by this rank, per dim, as of the last read (from FR's sequence ids)."""
+        """Collectives started by this rank, per dim, as of the last read (from FR's sequence ids; gloo's
+        send/recv, which FR does not record, from the groups' hooks)."""
+        with self._lock:
+            hooked = dict(self._p2p_issued)
         started: dict[str, int] = {}
-        for group, (collective, p2p) in self._seq.items():
+        for group in set(self._seq) | set(hooked):
+            collective, p2p = self._seq.get(group, (0, 0))
+            p2p = max(p2p, hooked.get(group, 0))  # one source or the other counts each op: never both added
             dim = self.dim_of(group)
             started[dim] = started.get(dim, 0) + collective + p2p
         return started
