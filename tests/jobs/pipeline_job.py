@@ -92,6 +92,8 @@ def train(monitored: bool, mesh: DeviceMesh, steps: int, seed: int = 0) -> tuple
         if monitor is not None:
             monitor.flush()
             seen = _registry(monitor)
+            stats = monitor._modules  # did the clip and the module norms share their norms (the exact path)?
+            seen["shared_clip"] = bool(stats is not None and stats._sharing_exact and stats._sharing_checked)
             monitor.close()
     trace.params = [p.detach().clone() for p in module.parameters()]
     return trace, seen
