@@ -25,6 +25,7 @@ class Incarnation:
 
     def __init__(self, state_dir, env, clock=lambda: 1000.0, peers=None, **settings):
         self.queue, self.snapshot = ActionQueue(), RunSnapshot()
+        self.events: list[str] = []
         self.counted: list[tuple[str, str, str]] = []
         self.lost: list[int] = []
         self.left = threading.Event()
@@ -33,11 +34,12 @@ class Incarnation:
         self.restarter = Restarter(
             config, self.queue, self.snapshot, peers=peers or (lambda: {}), token=TOKEN,
             count=lambda *outcome: self.counted.append(outcome), lost=self.lost.append, env=env, clock=clock,
-            leave=self._leave,
+            leave=self._leave, before_exit=lambda: self.events.append("before_exit"),
         )  # fmt: skip
         self.app = create_app(AppDeps(self.queue, self.snapshot, TOKEN, immediate=self.restarter.submit))
 
     def _leave(self, status: int) -> None:
+        self.events.append("leave")
         self.status = status
         self.left.set()
 
@@ -102,6 +104,9 @@ def test_restart_exits_every_rank_and_the_next_incarnation_settles_it_after_a_st
     status, _, body = wsgi_call(first.app, "POST", "/v1/actions", {"action": "restart", "reason": "hung"}, AUTH)
     assert (status, body["status"]) == (202, "pending")
     assert first.left.wait(10) and first.status == RESTART_EXIT_STATUS
+    # What has to be on disk at the moment of exit (the goodput ledger: the hang ran until now) is written
+    # first; os._exit runs no atexit hook.
+    assert first.events == ["before_exit", "leave"]
     ledger = json.loads((tmp_path / LEDGER_FILE).read_text())
     assert ledger["pending"]["exit_step"] == 12  # the moment of exit, not of the request
     assert (tmp_path / "rankscope-stacks-restart-1000.txt").read_text().startswith("rank 0: ")

@@ -138,6 +138,22 @@ def test_slow_data_delays_the_batches_of_its_rank_from_its_step() -> None:
     assert max(timed(rank=1)) < 0.1
 
 
+def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_other() -> None:
+    faults = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), rank=0)
+    state = lambda: {"step": 1}  # noqa: E731 - the loop's state_dict, as save() calls it
+
+    def timed(step: int) -> float:
+        started = time.perf_counter()
+        assert faults.slow_checkpoint(step, state)() == {"step": 1}
+        return time.perf_counter() - started
+
+    assert timed(10) < 0.1
+    assert timed(20) >= 0.2  # the first save at or after step 15
+    assert timed(30) < 0.1  # once only
+    with pytest.raises(ValueError, match=r"^faults.slow_checkpoint.seconds must be >= 0, got -1.0$"):
+        _faults(slow_checkpoint={"at_step": 5, "seconds": -1})
+
+
 def test_a_crash_exits_the_process_on_the_first_attempt_only() -> None:
     script = (
         "import torch\n"

@@ -33,7 +33,8 @@ import pytest
 from rankscope.goodput import BUCKETS, LEDGER_FILE
 from rankscope.mixin import promql
 
-from tests.e2e.harness import UNTIL_STOPPED
+from devstack.jobs import TrainerJob
+from tests.e2e.harness import UNTIL_STOPPED, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -61,6 +62,19 @@ class _exit_clock:  # noqa: N801 - read as a function: _exit_clock(process).wait
     def wait(self, timeout: float = 30.0) -> list[float]:
         self._thread.join(timeout)
         return self._seen
+
+
+def _checkpoint_seconds(job: TrainerJob) -> float:
+    """The durations the trainer printed for each save ("checkpoint step N -> ... (reason, 0.12s)")."""
+    return sum(float(s) for s in re.findall(r"checkpoint step \d+ -> \S+ \(\S+, ([0-9.]+)s\)", job.output.read_text()))
+
+
+def _compare(found: dict[str, float], truth: dict[str, float], wall: float) -> None:
+    """Every bucket of the truth within TOLERANCE of the wall time of the ledger's."""
+    report = {k: (round(found[k], 2), round(v, 2)) for k, v in truth.items()}
+    for bucket, expected in truth.items():
+        off = abs(found[bucket] - expected)
+        assert off <= TOLERANCE * wall, f"{bucket}: ledger vs truth {report} (wall {wall:.1f} s)"
 
 
 def _mean_step(train: list[dict]) -> float:
@@ -121,15 +135,11 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
         "paused": resumed_seen - paused_seen,
         "lost": crashed_at - checkpoint_20["time"] + rolled_back,
         "startup": (first[0]["time"] - step - job_start) + (second[0]["time"] - step - crashed_at),
-        "checkpoint": sum(
-            float(s) for s in re.findall(r"checkpoint step \d+ -> \S+ \(\S+, ([0-9.]+)s\)", job.output.read_text())
-        ),  # fmt: skip
+        "checkpoint": _checkpoint_seconds(job),
         "hang": 0.0,
     }
     found = {"wall": sum(v for k, v in totals.items() if k != "lost"), **totals}
-    report = {k: (round(found[k], 2), round(v, 2)) for k, v in truth.items()}
-    for bucket, expected in truth.items():
-        assert abs(found[bucket] - expected) <= tolerance, f"{bucket}: ledger vs truth {report} (wall {wall:.1f} s)"
+    _compare(found, truth, wall)
     assert resume_asked - paused_seen >= PAUSE_SECONDS
     assert totals["validation"] > 0 and totals["training"] > totals["lost"]
 
@@ -144,3 +154,73 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
     (ratio,) = st.query(f'last_over_time({promql.GOODPUT_RATIO}{{run_id="{st.run_id}"}}[5m])')
     productive = totals["training"] - totals["lost"]
     assert float(ratio["value"][1]) == pytest.approx(productive / found["wall"], abs=TOLERANCE)
+
+
+HANG_AT = 31  # rank 1's data loader never delivers step 31's batch; checkpoints every 20 steps
+SLOW_SAVE_SECONDS = 5.0  # the step-20 save takes this much longer (faults.slow_checkpoint)
+HANG_SECONDS = 5.0  # goodput's hang threshold (metrics.hang_seconds): a gap between steps beyond it is a hang
+AFTER_RESTART = 600  # steps trained by the restarted group, so that the job lasts well over a minute
+
+
+def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(stack) -> None:
+    """Rank 1 hangs at step HANG_AT; RankscopeRankHung asks for `restart` (Alertmanager -> control endpoint),
+    torchrun starts the group again, which resumes from the step-20 checkpoint, whose save was slowed.
+
+    Truth, from the test's clock and the run log: hang = the hung rank 0's exit - the end of step HANG_AT-1
+    (its train record) - HANG_SECONDS; lost = from the step-20 checkpoint's record to that exit, less the hang;
+    checkpoint = the printed save durations (the slow one included); startup = as in the crash test."""
+    st: Stack = stack("goodput-hang")
+    job = st.start_trainer(
+        [f"faults.hang.at_step={HANG_AT}", "faults.hang.rank=1", "faults.hang.kind=data",
+         "faults.slow_checkpoint.at_step=20", f"faults.slow_checkpoint.seconds={SLOW_SAVE_SECONDS}",
+         "checkpoint.every_steps=20", "run.log_every=1", "metrics.goodput_flush_seconds=0.5",
+         f"metrics.hang_seconds={HANG_SECONDS}"],
+        max_steps=UNTIL_STOPPED, resume="auto", max_restarts=1,
+    )  # fmt: skip
+    first_rank0 = job.wait_for(lambda: job.rank_processes().get(0), "rank 0's process", timeout=60)
+    job_start = first_rank0.create_time()
+    hung_exit = _exit_clock(first_rank0)
+    st.wait(lambda: st.settled("restart"), "the restart applied by the new incarnation", 240)
+    st.wait_for_step(HANG_AT + AFTER_RESTART, timeout=300)
+    last_rank0 = job.rank_processes()[0]
+    assert last_rank0.pid != first_rank0.pid
+    last_exit = _exit_clock(last_rank0)
+    assert st.stop_trainer() == 0
+    (hung_ended,) = hung_exit.wait()
+    (exited,) = last_exit.wait()
+
+    ledger = json.loads((job.checkpoint_dir / LEDGER_FILE).read_text())
+    totals = ledger["totals"]
+    assert ledger["incarnation"] == 2
+    wall = exited - job_start
+    records = job.records()
+    starts = [i for i, r in enumerate(records) if r["type"] == "start"]
+    assert len(starts) == 2, [r for r in records if r["type"] == "start"]
+    first = [r for r in records[: starts[1]] if r["type"] == "train"]
+    second = [r for r in records[starts[1] :] if r["type"] == "train"]
+    assert first[-1]["step"] == HANG_AT - 1 and second[0]["step"] == 21  # resumed from the step-20 checkpoint
+    step = _mean_step(first + second)
+    checkpoint_20 = next(r for r in records[: starts[1]] if r["type"] == "checkpoint" and r["step"] == 20)
+    hang = hung_ended - first[-1]["time"] - HANG_SECONDS
+    checkpoint = _checkpoint_seconds(job)
+    assert checkpoint >= SLOW_SAVE_SECONDS
+    # The job's wall time is the crash test's to check; here the buckets are. What the ledger cannot count is
+    # the teardown after its last write at exit (interpreter finalisation: docs/goodput.md), seconds at most.
+    assert sum(v for k, v in totals.items() if k != "lost") == pytest.approx(ledger["updated_at"] - job_start)
+    assert 0 <= exited - ledger["updated_at"] < 5.0
+    truth = {
+        "hang": hang,
+        "lost": hung_ended - checkpoint_20["time"] - hang,
+        "startup": (first[0]["time"] - step - job_start) + (second[0]["time"] - step - hung_ended),
+        "checkpoint": checkpoint,
+        "paused": 0.0,
+    }
+    found = {"wall": sum(v for k, v in totals.items() if k != "lost"), **totals}
+    _compare(found, truth, wall)
+    assert hang > 10, "the hang lasted until the alert's restart (a 20 s floor), well beyond HANG_SECONDS"
+
+    recorded = {
+        s["metric"]["bucket"]: float(s["value"][1])
+        for s in st.query(f'last_over_time({promql.GOODPUT_BUCKETS}{{run_id="{st.run_id}"}}[5m])')
+    }
+    assert abs(recorded["hang"] - totals["hang"]) <= TOLERANCE * wall, (recorded, totals)

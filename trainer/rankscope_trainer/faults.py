@@ -12,6 +12,7 @@ step being trained. `rank: -1` means every rank.
       crash:          {at_step: 30, rank: 1}                # os._exit -> rank down; torchrun restarts the group
       poison:         {at_batch: 300, batches: 60}          # a stretch of mislabelled data -> loss diverges
       hang:           {at_step: 40, rank: 1, kind: data}    # rank blocks for ever -> RankscopeRankHung, restart
+      slow_checkpoint: {at_step: 20, seconds: 5}            # one save takes 5 s longer -> goodput's checkpoint time
 
 What each one does, and the signal it leaves:
 
@@ -57,6 +58,12 @@ What each one does, and the signal it leaves:
   ranks wait in the step's all-reduce. `RankscopeRankHung` names the rank and its phase, and
   its `restart` action gets the group training again from the newest
   checkpoint (`torchrun --max-restarts`).
+* slow_checkpoint: the first checkpoint saved at or after `at_step` takes
+  `seconds` longer, as on a slow or contended filesystem: rank 0 writes the
+  file that much later and every rank waits for it inside the save (the
+  `checkpoint` phase). The save's printed duration and
+  `rankscope_checkpoint_duration_seconds` include it; goodput counts it as
+  checkpoint time.
 """
 
 from __future__ import annotations
@@ -216,6 +223,18 @@ class HangFault:
 
 
 @dataclass
+class SlowCheckpointFault:
+    at_step: int = 0
+    """The first checkpoint saved at or after this step is the slow one (0 = off)."""
+    seconds: float = 5.0
+    """How much longer that save takes."""
+
+    def __post_init__(self) -> None:
+        _check_common("slow_checkpoint", self.at_step, -1)
+        _check(self.seconds >= 0, f"faults.slow_checkpoint.seconds must be >= 0, got {self.seconds}")
+
+
+@dataclass
 class FaultsConfig:
     """Fault switches (all off by default). See the module docstring."""
 
@@ -227,6 +246,7 @@ class FaultsConfig:
     crash: CrashFault = field(default_factory=CrashFault)
     poison: PoisonFault = field(default_factory=PoisonFault)
     hang: HangFault = field(default_factory=HangFault)
+    slow_checkpoint: SlowCheckpointFault = field(default_factory=SlowCheckpointFault)
 
     def active(self) -> list[str]:
         """Names of the switches that are on."""
@@ -323,6 +343,19 @@ class FaultInjector:
             return False  # a restarted group trains on, as after a real fault that a restart cleared
         logger.error("fault injection: rank %d hangs at step %d (%s)", self.rank, step, kind)
         return True
+
+    def slow_checkpoint(self, step: int, state_fn: Callable[[], Any]) -> Callable[[], Any]:
+        """`state_fn`, slowed by `seconds` if this is the slow save (rank 0 calls it, inside the save)."""
+        fault = self.config.slow_checkpoint
+        if not (fault.at_step and step >= fault.at_step and "slow_checkpoint" not in self._announced):
+            return state_fn
+        self._announce("slow_checkpoint", step, f"+{fault.seconds}s writing the checkpoint")
+
+        def slowed() -> Any:
+            time.sleep(fault.seconds)  # the filesystem's delay: a real wait, as a slow write is
+            return state_fn()
+
+        return slowed
 
     def poison(self, data_batch: int, micro_batches: list[Any]) -> list[Any]:
         """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in the poisoned stretch."""

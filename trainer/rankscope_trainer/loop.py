@@ -409,7 +409,7 @@ class Trainer:
 
     def save_checkpoint(self, reason: str) -> Path | None:
         with self.monitor.phase("checkpoint"):
-            path = self.checkpoints.save(self.step, self.state_dict, reason)
+            path = self.checkpoints.save(self.step, self.faults.slow_checkpoint(self.step, self.state_dict), reason)
         if path is not None:
             self._timeline.append((self.step, path))
             self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))

@@ -148,6 +148,7 @@ class ControlChannel:
         self._instruments = getattr(monitor, "instruments", None) or Instruments(CollectorRegistry(), identity)
         # Time held paused is the goodput's "paused" bucket (a monitor without phases: nothing to account).
         self._phase = getattr(monitor, "phase", None) or (lambda name: contextlib.nullcontext())
+        self._goodput = getattr(monitor, "goodput", None)
         # Stacks carry the collective in flight (a monitor without a collective view: none).
         self._in_flight = getattr(monitor, "collective_in_flight", None)
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -332,7 +333,7 @@ class ControlChannel:
             self._token = token
             self._restarter = Restarter(
                 self.config, self.queue, self.snapshot, peers=lambda: self._peer_urls, token=token, count=self._count,
-                lost=self._count_lost_steps, in_flight=self._in_flight,
+                lost=self._count_lost_steps, in_flight=self._in_flight, before_exit=self._flush_goodput,
             )  # fmt: skip
             self._instruments.child(PREFIX + "restart_lost_steps_total")  # at 0, so increase() sees the first loss
             deps = AppDeps(
@@ -398,6 +399,12 @@ class ControlChannel:
         folded = fold(by_rank)
         groups = [{"ranks": list(g.ranks), "headline": g.headline, "stacks": g.text} for g in folded]
         return {"summary": render(folded, full=False), "groups": groups}
+
+    def _flush_goodput(self) -> None:
+        """Write the goodput ledger (rank 0's, if the monitor keeps one) at the restart's exit: the time
+        until then (a hang, say) belongs to this incarnation, not to the next one's start-up."""
+        if self._goodput is not None:
+            self._goodput.flush()
 
     def _count_lost_steps(self, steps: int) -> None:
         self._instruments.child(PREFIX + "restart_lost_steps_total").inc(steps)

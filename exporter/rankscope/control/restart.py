@@ -125,9 +125,11 @@ class Restarter:
         clock: Callable[[], float] = time.time,
         leave: Callable[[int], None] = os._exit,
         in_flight: InFlightReader | None = None,
+        before_exit: Callable[[], None] = lambda: None,
     ) -> None:
         self._config = config
         self._in_flight = in_flight
+        self._before_exit = before_exit
         self._queue = queue
         self._snapshot = snapshot
         self._peers = peers
@@ -226,6 +228,10 @@ class Restarter:
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
         time.sleep(_GRACE_SECONDS)
+        try:  # leave() is os._exit, which runs no atexit hook: what must be on disk at the exit is written here
+            self._before_exit()
+        except Exception:
+            logger.exception("rankscope: restart %s: writing the state before the exit failed", record.id)
         self._leave(RESTART_EXIT_STATUS)
 
     # --- the new incarnation's training thread -------------------------------------------
