@@ -5,10 +5,12 @@
 
 Two processes (gloo, CPU, one torch thread each) train one FSDP2 model (`fully_shard` per layer and on the
 root) in one long run, in blocks of `--block` steps: each group has a block plain (the loop as written without
-rankscope, the view's hooks taken off the process groups) and a block monitored (`monitor.data`,
+rankscope, the view's hooks taken off the process groups), a second plain block (the A/A control: what the
+machine's noise alone makes of two identical conditions) and a block monitored (`monitor.data`,
 `monitor.step`, the view's hooks on, the metrics page rendered after every block like a scrape), in a fresh
 random order per group, the same on both ranks (benchmarks/timing.py: interleaved blocks; group 0 warms up).
-Reported on rank 0: the median of the per-group wall-time ratios monitored/plain (goal <= 1.01x, issue 22),
+Reported on rank 0: the median of the per-group wall-time ratios monitored/plain (goal <= 1.01x, issue 22)
+beside the A/A ratio plain_again/plain (a monitored ratio inside the A/A spread is no measurable cost),
 the cost of reading torch's Flight Recorder per scrape (CollectiveView.read: the dump, its parse, the counts),
 and the training thread's progress tracking per step against the plain step time (goal <= 0.5 %, issue 26).
 """
@@ -27,7 +29,8 @@ import torch.multiprocessing as mp
 
 from .timing import interleaved_blocks, machine_line, ratio_line
 
-CONDITIONS = ("plain", "monitored")
+#: "plain_again" is the A/A control: the plain loop against itself, the spread the machine alone produces.
+CONDITIONS = ("plain", "plain_again", "monitored")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,6 +123,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
           f"{args.groups} groups x {args.block} steps per block, interleaved")  # fmt: skip
     print(f"plain step (median): {plain_step * 1e3:.2f} ms")
     print(f"monitored/plain wall: {ratio_line(times.ratios('monitored', 'plain'))}  (goal <= 1.01)")
+    print(f"A/A control plain_again/plain wall: {ratio_line(times.ratios('plain_again', 'plain'))}")
     print(f"monitored/plain process CPU: {times.total_ratio('monitored', 'plain', cpu=True):.3f}")
     print(f"collective read per scrape (FR dump + parse, {entries} records): median "
           f"{statistics.median(reads) * 1e3:.3f} ms, max {max(reads) * 1e3:.3f} ms")  # fmt: skip

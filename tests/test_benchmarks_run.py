@@ -20,7 +20,7 @@ SMALLEST = {
     "scrape": (["--renders", "5", "--groups", "2", "--block", "2"], "CPU/scrape"),
     "abuse": (["--connections", "20", "--rate", "5", "--groups", "2", "--block", "2"], "idle + scrapes"),
     "gpu": ([], "no CUDA device"),
-    "sharded": (["--groups", "1", "--block", "2", "--layers", "2", "--width", "16", "--batch", "4"], "monitored/plain"),
+    "sharded": (["--groups", "1", "--block", "2", "--layers", "2", "--width", "16", "--batch", "4"], "A/A control"),
 }
 
 

@@ -109,8 +109,9 @@ def test_dynamo_sees_no_graph_break_in_a_watched_model_s_forward():
 @pytest.mark.parametrize(("parallel", "ranks"), [("fsdp2", 2), ("tp", 4)])
 def test_under_fsdp2_and_tensor_parallel_every_rank_trains_bit_identically(tmp_path, parallel, ranks):
     # fsdp2: per-block fully_shard + root, clipping, accumulation with sync off, a bf16 mixed-precision
-    # policy; tp: a 2-D (data x tensor) mesh, parallelize_module alone and under FSDP2. Module norms are
-    # checked to be of whole parameters (their root-sum-square is torch's total norm).
+    # policy; tp: a 2-D (data x tensor) mesh, parallelize_module alone and under FSDP2, and HSDP (fully_shard
+    # over a 2-D replicate x shard mesh). Module norms are checked to be of whole parameters (their
+    # root-sum-square is torch's total norm).
     out = tmp_path / "out"
     out.mkdir()
     log = tmp_path / "job.log"

@@ -6,7 +6,8 @@ last, the all-reduce timed by rankscope's comm hook. `--parallel fsdp2` (2 ranks
 and on the root, clipping on, accumulation with gradient sync off but on the last micro-batch, and a
 bf16 mixed-precision policy. `--parallel tp` (4 ranks): a 2-D (data 2 x tensor 2) mesh; the MLP split
 column- and row-wise with `parallelize_module`, alone (its head a plain tensor beside DTensors) and
-under FSDP2 over the data dimension. Every optional probe is on at every step.
+under FSDP2 over the data dimension; and HSDP: `fully_shard` over a 2-D (replicate 2 x shard 2) mesh.
+Every optional probe is on at every step.
 
 Each rank writes `<out>/rank<r>.json`: {case: [differences]} (empty lists when bit-identical, and the
 monitor's own module norms are of whole parameters: their root-sum-square is the recorded total norm).
@@ -118,6 +119,12 @@ def main() -> None:
             shard = _tensor_parallel(mesh, with_fsdp)
             runs = [train("tensor_parallel_mlp", m, shard=shard, **common) for m in (False, True)]
             found[name] = _check(runs, shared=False)
+        # HSDP: parameters sharded over dp_shard and replicated over dp_replicate (module statistics count
+        # a replica once), clipping and accumulation as under FSDP2.
+        hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        for archetype, accumulation in (("mlp_frozen_two_groups", 1), ("accumulation_hand_written_lr", 3)):
+            runs = [train(archetype, m, shard=_fsdp2(hsdp), accumulation=accumulation, **common) for m in (False, True)]
+            found[f"hsdp 2x2 mesh {archetype}"] = _check(runs, shared=False)
     (args.out / f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
