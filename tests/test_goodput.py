@@ -122,6 +122,23 @@ def test_the_next_incarnation_continues_the_job_and_counts_the_restart_and_lost_
     assert _wall(totals) == pytest.approx(clock.now - 1000.0)
 
 
+def test_a_process_start_read_before_the_last_record_of_the_incarnation_before_counts_nothing_twice(tmp_path):
+    # psutil's process start (the boot time in whole seconds plus clock ticks) can read up to a second
+    # early against time.time(): a restart within that second must not count the overlap twice (seen in
+    # the e2e hang run: the buckets added up to 33 ms more than the job's wall time).
+    clock = Clock()
+    first = GoodputLedger(tmp_path, process_start=clock.now, clock=clock)
+    first.first_step(clock.tick(1), 0)
+    _train(first, clock, 1, 5)
+    first.flush()  # its last record, at 1006
+    second = GoodputLedger(tmp_path, process_start=clock.now - 0.4, clock=clock)
+    clock.tick(2)
+    second.first_step(clock.now, 5)
+    _train(second, clock, 6, 8)
+    assert _wall(second.totals()) == pytest.approx(clock.now - 1000.0)
+    assert second.totals()["startup"] == pytest.approx(1 + 2)
+
+
 def test_a_restart_from_scratch_without_a_resume_loses_every_step(tmp_path) -> None:
     clock = Clock()
     first = GoodputLedger(tmp_path, process_start=clock.now, clock=clock)

@@ -150,6 +150,12 @@ def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_oth
     assert timed(10) < 0.1
     assert timed(20) >= 0.2  # the first save at or after step 15
     assert timed(30) < 0.1  # once only
+    # A restarted group (torchrun's TORCHELASTIC_RESTART_COUNT) saves at normal speed, as crash and hang
+    # happen on the first attempt only.
+    restarted = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), rank=0, restart_count=1)
+    started = time.perf_counter()
+    restarted.slow_checkpoint(20, state)()
+    assert time.perf_counter() - started < 0.1
     with pytest.raises(ValueError, match=r"^faults.slow_checkpoint.seconds must be >= 0, got -1.0$"):
         _faults(slow_checkpoint={"at_step": 5, "seconds": -1})
 

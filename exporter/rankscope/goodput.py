@@ -85,8 +85,11 @@ class GoodputLedger:
             self._marks = {int(step): float(kept) for step, kept in previous["marks"].items()}
             for bucket in BUCKETS:
                 self._closed[bucket] = float(previous["totals"].get(bucket, 0.0))
-            # From the last record of the incarnation before to this process's start: the restart.
-            self._closed["startup"] += max(0.0, started - float(previous["updated_at"]))
+            # From the last record of the incarnation before to this process's start: the restart. A process
+            # start read from psutil (boot time in whole seconds plus clock ticks) can be up to a second early
+            # against the clock; this incarnation began no earlier than the last record of the one before.
+            started = max(started, float(previous["updated_at"]))
+            self._closed["startup"] += started - float(previous["updated_at"])
         self._state = "startup"
         self._since = started
         self._stack: list[str] = []

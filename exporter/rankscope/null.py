@@ -45,6 +45,9 @@ class NullMonitor:
     def watch_mesh(self, mesh: Any) -> None:
         return None
 
+    def collective_in_flight(self) -> dict[str, Any] | None:
+        return None  # no collective view: stacks are handed over without one
+
     def data(self, iterable: Iterable[Any]) -> Iterator[Any]:
         return iter(iterable)
 

@@ -59,7 +59,7 @@ What each one does, and the signal it leaves:
   its `restart` action gets the group training again from the newest
   checkpoint (`torchrun --max-restarts`).
 * slow_checkpoint: the first checkpoint saved at or after `at_step` takes
-  `seconds` longer, as on a slow or contended filesystem: rank 0 writes the
+  `seconds` longer (first attempt only, as `crash`), as on a slow or contended filesystem: rank 0 writes the
   file that much later and every rank waits for it inside the save (the
   `checkpoint` phase). The save's printed duration and
   `rankscope_checkpoint_duration_seconds` include it; goodput counts it as
@@ -349,6 +349,8 @@ class FaultInjector:
         fault = self.config.slow_checkpoint
         if not (fault.at_step and step >= fault.at_step and "slow_checkpoint" not in self._announced):
             return state_fn
+        if self.restart_count:
+            return state_fn  # a restarted group saves at normal speed, as after crash and hang
         self._announce("slow_checkpoint", step, f"+{fault.seconds}s writing the checkpoint")
 
         def slowed() -> Any:
