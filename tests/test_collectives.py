@@ -213,7 +213,10 @@ def _in_flight_worker(rank: int, world: int, port: int, queue: Any, signal_file:
             found["after"] = monitor.collective_in_flight()
         else:
             found["before_joining"] = monitor.collective_in_flight()
+            deadline = time.monotonic() + 120  # rank 0 failing before the signal must not leave this rank spinning
             while not Path(signal_file).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 0 never read its collective in flight")
                 time.sleep(0.05)
             dist.all_reduce(torch.ones(4))
         dist.barrier()
