@@ -117,6 +117,63 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_counted_and_timed_as_data_par
         assert _value(page, "rankscope_phase") is not None
 
 
+def _recorder_counts() -> dict[str, int]:
+    """Per process group, the collectives torch's Flight Recorder says this rank started (its sequence ids)."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    counts: dict[str, int] = {}
+    for entry in dump.get("entries") or []:
+        group = str(entry["process_group"][0])
+        counts[group] = max(counts.get(group, 0), int(entry.get("collective_seq_id") or 0))
+    return counts
+
+
+def _scrape_cost_worker(rank: int, world: int, port: int, queue: Any, steps: int) -> None:
+    try:
+        _init(rank, world, port)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        monitor = _monitor()
+        dist.init_process_group("gloo")
+        dist.barrier()  # started before any step: counted from the recorder when the step's end hooks the group
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        monitor.watch_mesh(mesh)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        fully_shard(model, mesh=mesh)
+        dumps, served = [], []  # (the pipe under the queue is small: results, not pages)
+        for _ in monitor.data(range(steps)):
+            with monitor.step():
+                model(torch.randn(4, 16)).sum().backward()
+            before = monitor.collectives.recorder_dumps
+            _page(monitor)
+            served.append(_value(_page(monitor), "rankscope_collectives_total", dim="data"))
+            dumps.append(monitor.collectives.recorder_dumps - before)  # recorder dumps these two scrapes made
+        recorder = _recorder_counts()
+        monitor.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put({"rank": rank, "dumps": dumps, "served": served, "recorder": recorder})
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def test_on_gloo_a_scrape_counts_from_the_hooks_without_dumping_the_recorder_and_matches_its_counts() -> None:
+    steps = 3
+    for result in _spawn(_scrape_cost_worker, 2, steps):
+        # Each dump copies the whole ring (about 1 ms even when it holds a few records): once every group is
+        # hooked, at the first step's end, a scrape needs none.
+        assert result["dumps"] == [0] * steps, result
+        # The counts served equal the recorder's own, the barrier before the first step (the baseline) included.
+        assert result["served"][-1] == sum(result["recorder"].values()), result
+        assert result["served"] == sorted(result["served"]) and result["served"][0] >= 1 + 2, result
+
+
 def _ddp_worker(rank: int, world: int, port: int, queue: Any, steps: int) -> None:
     try:
         _init(rank, world, port)

@@ -2,20 +2,23 @@
 
 Two sources, each for what it does best (docs/collectives.md):
 
-- **torch's Flight Recorder** (FR) lists every collective of every process group (gloo and NCCL, DDP's
-  buckets, FSDP2's all-gathers and reduce-scatters, tensor parallel's functional collectives, the control
-  channel's own) with a record id, its process group and op name (``gloo:all_gather``) and whether it has
-  finished (``retired``). It is read from the metrics thread at scrape time, incrementally (only records
-  newer than the last read are counted): ``rankscope_collectives_total{dim}`` (started by this rank: the lag
-  signal) and the oldest collective still in flight (the progress tracker's 'collective' phase, which a
-  blocked training thread cannot freeze).
-- **Time** in collectives. On gloo (torch 2.14.1) FR records only when a collective was created: its
-  ``time_discovered_*`` fields stay 0 and it has no ``duration_ms`` (checked on this machine). So on gloo
-  groups the view registers a post hook on each process group (``ProcessGroup.register_post_hook``, which
-  sees every collective the group issues, functional ones included) and notes the completion time from the
-  work's future, on gloo's thread. On NCCL groups FR's own ``duration_ms`` is used (recorded from CUDA
-  events by NCCL's watchdog thread when ``TORCH_NCCL_ENABLE_TIMING=1``, which `enable_collective_view` sets):
-  no host-device synchronisation on the training thread. (Unmeasured here: no GPU on this machine.)
+- **A post hook on each gloo process group** (``ProcessGroup.register_post_hook``, which sees every collective
+  the group issues, functional ones and send/recv included) counts each collective as it is issued and times
+  it to completion from its work's future, on gloo's thread. On gloo (torch 2.14.1) the Flight Recorder cannot
+  time collectives (it records only their creation: ``time_discovered_*`` stay 0, no ``duration_ms``) and does
+  not record send/recv at all. When a group is hooked, the recorder is read once for what the group started
+  before (the baseline); after that a scrape of a gloo-only job never reads the recorder.
+- **torch's Flight Recorder** (FR) lists every collective of every process group with a record id, its group,
+  op name (``nccl:_allgather_base``) and whether it has finished (``retired``). It is read from the metrics
+  thread at scrape time while a group is not hooked (NCCL groups; any group before the step end that hooks
+  it): counts from each group's sequence ids, the oldest NCCL collective still in flight, and NCCL's own
+  ``duration_ms`` (recorded from CUDA events by NCCL's watchdog thread when ``TORCH_NCCL_ENABLE_TIMING=1``,
+  which `enable_collective_view` sets): no host-device synchronisation on the training thread. (Unmeasured
+  here: no GPU on this machine.) A dump copies and unpickles the whole ring, about a millisecond even when it
+  holds a few records (benchmarks/README.md), which is why gloo-only jobs avoid it on every scrape.
+
+``rankscope_collectives_total{dim}`` (started by this rank: the lag signal) and the collective in flight (the
+progress tracker's 'collective' phase) are both kept up by threads a blocked training thread cannot freeze.
 
 `TORCH_FR_BUFFER_SIZE` is read once, when torch's Flight Recorder is first used: the first process group's
 creation (``init_process_group``), or an earlier dump. Later changes have no effect. torch 2.14.1 keeps 2000
@@ -159,9 +162,12 @@ class CollectiveView:
         self._step_intervals: list[tuple[float, float]] = []
         self._pending: dict[int, _Pending] = {}  # issued, not seen finished; oldest first
         self._untimed = 0  # collectives whose completion torch does not report (see _issued)
-        # Per hooked (gloo) group, the send/recv it issued: the Flight Recorder does not record gloo's point-to-
-        # point ops (torch 2.14.1), so without this a pipeline stage's traffic would not be counted at all.
-        self._p2p_issued: dict[str, int] = {}
+        # Per hooked (gloo) group: the collectives and send/recv it issued since hooked, and what it had started
+        # before (FR's count at hooking, less what the hooks had counted by then). Written under `_lock`.
+        self._issued_count: dict[str, int] = {}
+        self._baseline: dict[str, int] = {}
+        self._unhooked = True  # a process group may exist that no hook counts: the metrics thread reads FR
+        self.recorder_dumps = 0  # Flight Recorder dumps so far (each copies the whole ring)
         # Read side (metrics thread only).
         self._last_record = -1
         # Per process group, the highest (collective, p2p) sequence ids seen: how many it started, however
@@ -210,12 +216,23 @@ class CollectiveView:
             if len(groups) == self._groups_seen:
                 return
             self._groups_seen = len(groups)
-            for group in groups:
-                if id(group) not in self._hooked:
-                    self._hook(group)
+            counted = [name for group in groups if id(group) not in self._hooked and (name := self._hook(group))]
+            if counted:
+                self._take_baseline(counted)
+            self._unhooked = self._nccl
         except Exception as exc:  # torch internals moved: counts and phases still come from FR
             self._timing = False
+            self._unhooked = True
             logger.warning("rankscope: collective timing hooks unavailable (counts still from FR): %r", exc)
+
+    def _take_baseline(self, names: list[str]) -> None:
+        """What the newly hooked groups started before their hooks: FR's count now, less what the hooks counted
+        already (they were registered first, so a collective issued in between is counted once)."""
+        started = self._dump_seq()
+        with self._lock:
+            for name in names:
+                collective, p2p = started.get(name, (0, 0))
+                self._baseline[name] = collective + p2p - self._issued_count.get(name, 0)
 
     def close(self) -> None:
         """Remove the hooks from every process group (`attach_groups` puts them back)."""
@@ -224,13 +241,18 @@ class CollectiveView:
                 group.unregister_post_hook(self._hook_id)
         self._hooked.clear()
         self._groups_seen = -1
+        self._unhooked = True
+        with self._lock:  # counted from FR again until hooked again (with a new baseline)
+            self._issued_count.clear()
+            self._baseline.clear()
 
-    def _hook(self, group: Any) -> None:
+    def _hook(self, group: Any) -> str | None:
+        """Hook one group; its name when the hooks count it (gloo), None for NCCL (counted from FR)."""
         self._hooked[id(group)] = group
         backend = str(group.name() if callable(getattr(group, "name", None)) else "").lower()
         if "nccl" in backend:
             self._nccl = True
-            return  # NCCL: durations from FR (duration_ms), never a host callback on its futures
+            return None  # NCCL: durations from FR (duration_ms), never a host callback on its futures
         name = _group_name(group)
 
         def post(args: Any) -> None:
@@ -241,13 +263,13 @@ class CollectiveView:
                 logger.warning("rankscope: collective timing hook failed; timing off (counts go on): %r", exc)
 
         group.register_post_hook(self._hook_id, post)
+        return name
 
     def _issued(self, args: Any, group: str) -> None:
-        """A collective was issued on a hooked group (training thread): note it, time it to completion."""
+        """A collective was issued on a hooked group (training thread): count it, time it to completion."""
         kind = kind_of(str(args.name))
-        if kind == "send_recv":
-            with self._lock:
-                self._p2p_issued[group] = self._p2p_issued.get(group, 0) + 1
+        with self._lock:
+            self._issued_count[group] = self._issued_count.get(group, 0) + 1
         work = args.work
         if work is None or not self._timing:
             return
@@ -315,22 +337,40 @@ class CollectiveView:
     # --- metrics thread -----------------------------------------------------------------------
 
     def read(self) -> None:
-        """Take the Flight Recorder's records newer than the last read: counts, NCCL durations, what is in
-        flight. Never blocks on a collective (FR's dump copies its ring buffer under its own mutex)."""
+        """Bring counts, times and what is in flight up to date for a scrape: from the hooks alone while every
+        group is hooked (gloo), else also from the Flight Recorder's records newer than the last read. Never
+        blocks on a collective (FR's dump copies its ring buffer under its own mutex)."""
         if not self.enabled:
             return
         with self._read_lock:  # two scrapes at once read once each, in turn
             started = time.perf_counter()
             try:
-                self._read()
+                if self._unhooked or not self._timing:
+                    self._read()
+                else:
+                    self.in_flight = self._oldest_pending()
             finally:
                 self.read_seconds = time.perf_counter() - started
 
-    def _read(self) -> None:
+    def _dump(self) -> list[dict[str, Any]]:
         from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
 
+        self.recorder_dumps += 1
         dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-        entries = dump.get("entries") or []
+        return list(dump.get("entries") or [])
+
+    def _dump_seq(self) -> dict[str, tuple[int, int]]:
+        """Per process group, the highest (collective, p2p) sequence ids in the Flight Recorder now."""
+        seq: dict[str, tuple[int, int]] = {}
+        for entry in self._dump():
+            group, _desc = _pg_of(entry)
+            known = seq.get(group, (0, 0))
+            collective, p2p = int(entry.get("collective_seq_id") or 0), int(entry.get("p2p_seq_id") or 0)
+            seq[group] = (max(known[0], collective), max(known[1], p2p))
+        return seq
+
+    def _read(self) -> None:
+        entries = self._dump()
         oldest: InFlight | None = None
         last = self._last_record
         for entry in entries:
@@ -371,16 +411,19 @@ class CollectiveView:
         self._fr_seconds[key] = self._fr_seconds.get(key, 0.0) + float(entry["duration_ms"]) / 1e3
 
     def started_by_dim(self) -> dict[str, int]:
-        """Collectives started by this rank, per dim, as of the last read (from FR's sequence ids; gloo's
-        send/recv, which FR does not record, from the groups' hooks)."""
+        """Collectives started by this rank, per dim: a hooked group's from its hooks (plus its baseline), any
+        other group's from FR's sequence ids as of the last read. Each group from one source, never both."""
         with self._lock:
-            hooked = dict(self._p2p_issued)
+            hooked = {group: count + self._baseline.get(group, 0) for group, count in self._issued_count.items()}
+        totals = {group: collective + p2p for group, (collective, p2p) in self._seq.items()}
+        for group, count in hooked.items():
+            # FR's ids are from a read before the group was hooked (or after a hook failed, when FR is read again
+            # and lacks gloo's send/recv): the larger keeps the counter from going down.
+            totals[group] = max(count, totals.get(group, 0))
         started: dict[str, int] = {}
-        for group in set(self._seq) | set(hooked):
-            collective, p2p = self._seq.get(group, (0, 0))
-            p2p = max(p2p, hooked.get(group, 0))  # one source or the other counts each op: never both added
+        for group, count in totals.items():
             dim = self.dim_of(group)
-            started[dim] = started.get(dim, 0) + collective + p2p
+            started[dim] = started.get(dim, 0) + count
         return started
 
     def seconds_by_kind_dim(self) -> dict[tuple[str, str], float]:
