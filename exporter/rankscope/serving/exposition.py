@@ -17,6 +17,7 @@ metric internals (`_metrics`, `_value`, `_buckets`, `_sum`, `_upper_bounds`), as
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
 import threading
@@ -66,6 +67,14 @@ def _head(name: str, pairs: Iterable[tuple[str, str]]) -> str:
     return f"{escape_metric_name(name)}{{{labels}}} " if labels else f"{escape_metric_name(name)} "
 
 
+# A collector's families (and an Info's or Enum's samples) are made anew each scrape, but their label sets are
+# bounded (rank labels, kind, dim, probe names): their heads and headers are escaped once, not on every render.
+@functools.lru_cache(maxsize=4096)
+def _collected_head(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    return _head(name, pairs)
+
+
+@functools.lru_cache(maxsize=1024)
 def _header(name: str, kind: str, documentation: str) -> str:
     """HELP and TYPE lines, with generate_latest's munging from OpenMetrics types to the text format."""
     if kind == "counter":
@@ -135,7 +144,7 @@ class _Samples:
         for suffix, labels, value, timestamp, *_ in self.child._child_samples():
             if suffix == "_created":
                 continue
-            line = _head(self.name + suffix, [*self.pairs, *labels.items()]) + _number(value)
+            line = _collected_head(self.name + suffix, (*self.pairs, *labels.items())) + _number(value)
             out.append(line + (f" {int(float(timestamp) * 1000):d}\n" if timestamp is not None else "\n"))
 
 
@@ -212,8 +221,7 @@ def _render_collected(metric: Any, out: list[str]) -> None:
         suffix = sample.name[len(metric.name) :] if sample.name.startswith(metric.name) else None
         if suffix == "_created":
             continue
-        pairs = sorted(sample.labels.items())
-        line = _head(sample.name, pairs) + _number(sample.value)
+        line = _collected_head(sample.name, tuple(sorted(sample.labels.items()))) + _number(sample.value)
         line += f" {int(float(sample.timestamp) * 1000):d}\n" if sample.timestamp is not None else "\n"
         if suffix in ("_gsum", "_gcount"):  # gauge histograms: OpenMetrics-only samples, as gauges at the end
             late.setdefault(suffix, []).append(line)
