@@ -11,7 +11,8 @@ machine's noise alone makes of two identical conditions) and a block monitored (
 random order per group, the same on both ranks (benchmarks/timing.py: interleaved blocks; group 0 warms up).
 Reported on rank 0: the median of the per-group wall-time ratios monitored/plain (goal <= 1.01x, issue 22)
 beside the A/A ratio plain_again/plain (a monitored ratio inside the A/A spread is no measurable cost),
-the cost of reading torch's Flight Recorder per scrape (CollectiveView.read: the dump, its parse, the counts),
+the cost of the collective view's read per scrape (CollectiveView.read: on gloo, from its hooks' counts) beside
+what a dump of torch's Flight Recorder costs (the read of a job with NCCL groups: the dump, its parse),
 and the training thread's progress tracking per step against the plain step time (goal <= 0.5 %, issue 26).
 """
 
@@ -56,8 +57,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from prometheus_client import generate_latest
     from rankscope import Monitor, MonitorConfig
+    from rankscope.serving.exposition import PageRenderer
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -91,7 +92,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
                 train()
             yield
 
+    renderer = PageRenderer(monitor.registry)  # what the monitor's server renders, without its cache
     reads: list[float] = []
+    dumps: list[float] = []
     renders: list[float] = []
 
     def switch(condition: str) -> None:
@@ -103,16 +106,20 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         dist.barrier()  # both ranks switch together (outside the timing)
 
     def after_block(condition: str) -> None:
-        if condition == "monitored":  # a scrape: the whole page, then the view's read alone
+        if condition == "monitored":  # a scrape: the whole page, then the view's read alone, then a recorder dump
             started = time.perf_counter()
-            generate_latest(monitor.registry)
+            renderer.render()
             renders.append(time.perf_counter() - started)
             view.read()
             reads.append(view.read_seconds)
+            started = time.perf_counter()
+            _fr_entries()
+            dumps.append(time.perf_counter() - started)
 
     times = interleaved_blocks(steps(), CONDITIONS, switch, args.groups, args.block, after_block)
     tracking = _tracking_seconds_per_step(monitor)
     entries = len(_fr_entries())
+    scrape_dumps = view.recorder_dumps  # before close(), which clears the view's counts
     monitor.close()
     dist.destroy_process_group()
     if rank != 0:
@@ -125,9 +132,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     print(f"monitored/plain wall: {ratio_line(times.ratios('monitored', 'plain'))}  (goal <= 1.01)")
     print(f"A/A control plain_again/plain wall: {ratio_line(times.ratios('plain_again', 'plain'))}")
     print(f"monitored/plain process CPU: {times.total_ratio('monitored', 'plain', cpu=True):.3f}")
-    print(f"collective read per scrape (FR dump + parse, {entries} records): median "
-          f"{statistics.median(reads) * 1e3:.3f} ms, max {max(reads) * 1e3:.3f} ms")  # fmt: skip
-    print(f"whole page render per scrape: median {statistics.median(renders) * 1e3:.3f} ms")
+    print(f"collective view read per scrape (gloo: the hooks' counts; {scrape_dumps} recorder dumps, one per "
+          f"hooking): median {statistics.median(reads) * 1e3:.3f} ms, max {max(reads) * 1e3:.3f} ms")  # fmt: skip
+    print(f"Flight Recorder dump + parse ({entries} records; a read with NCCL groups): median "
+          f"{statistics.median(dumps) * 1e3:.3f} ms, max {max(dumps) * 1e3:.3f} ms")  # fmt: skip
+    print(f"whole page render per scrape (PageRenderer, no probes): median {statistics.median(renders) * 1e3:.3f} ms")
     print(f"progress tracking per step: {tracking * 1e6:.2f} us = {tracking / plain_step * 100:.4f} % of a plain "
           "step (goal <= 0.5 %)")  # fmt: skip
 
