@@ -81,14 +81,17 @@ def build_trainer(
     accumulate_grad_batches: int = 1,
     gradient_clip_val: float | None = None,
     ddp_timeout: int = 1800,
+    strategy: Any = None,
     **kwargs: Any,
 ) -> pl.Trainer:
     """A CPU Trainer with `callbacks`, quiet (no logger, no progress bar). Under torchrun (WORLD_SIZE > 1) it uses
-    the DDP strategy over torchrun's processes, with `ddp_timeout` seconds before a stuck collective fails."""
+    the DDP strategy over torchrun's processes, with `ddp_timeout` seconds before a stuck collective fails, unless
+    a `strategy` is given."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    strategy: Any = "auto"
-    if world_size > 1:
+    if strategy is None and world_size <= 1:
+        strategy = "auto"
+    elif strategy is None:
         # Every parameter takes part in the forward pass: spare DDP its extra graph traversal.
         strategy = DDPStrategy(timeout=timedelta(seconds=ddp_timeout), find_unused_parameters=False)
     # Tiny in-memory data needs no loader workers; Lightning would suggest some on every run.

@@ -72,11 +72,14 @@ class ControlClient:
         control: dict[str, Any] | None,
         pg_timeout: float,
         env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
     ) -> None:
-        """Start one of tests/jobs (`script`) with its control endpoint on this client's port and token."""
+        """Start one of tests/jobs (`script`) with its control endpoint on this client's port and token, and the
+        script's own `extra` options."""
         settings = {"port": self.control_port, "token_file": str(self.token_file), "pause_heartbeat_seconds": 0.5}
         settings.update(control or {})
         target = [script, "--out", str(self.out), "--control", json.dumps(settings), "--pg-timeout", str(pg_timeout)]
+        target += extra or []
         self.start(target, master_port, env)
 
     def wait_for(self, check: Callable[[], T], what: str, timeout: float = 60.0) -> T:

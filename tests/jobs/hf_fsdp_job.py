@@ -1,6 +1,7 @@
-"""The Hugging Face Trainer under accelerate's FSDP (full_shard, GPT-2 blocks wrapped, 2 CPU ranks) with
+"""The Hugging Face Trainer asked for accelerate's FSDP (full_shard, GPT-2 blocks wrapped) on 2 CPU ranks, with
 RankscopeCallback (run by torchrun in tests/test_sharded_hf.py). Each rank writes `<out>/rank<r>.json`: its
-metrics registry after the run and the Trainer's own last logged grad_norm (the clip's total norm)."""
+metrics registry after the run, the Trainer's own last logged grad_norm (the clip's total norm), and whether
+accelerate sharded the model (`fsdp_enabled`, the wrapper's class): on CPU it does not (accelerate 1.16)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def main() -> None:
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=[callback])
     trainer.train()
     found: dict[str, object] = {
-        "trainer_grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h][-1]
+        "trainer_grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h][-1],
+        "fsdp_enabled": trainer.is_fsdp_enabled,
+        "wrapper": type(trainer.model_wrapped).__name__,
     }
     for family in callback.monitor.registry.collect():
         for sample in family.samples:

@@ -61,6 +61,25 @@ def _job_log_callback(out: Path, rank: int, rankscope: Any, step_seconds: float,
     return JobLog()
 
 
+def _model_parallel(regression: type) -> tuple[Any, type]:
+    """Lightning's ModelParallelStrategy over the 2 ranks (data parallel only: FSDP2), and the example's model
+    sharded per layer and at the root, as that strategy asks of `configure_model`."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    class ShardedRegression(regression):  # type: ignore[misc, valid-type]
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.encoder, self.head):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=timedelta(seconds=120))
+    return strategy, ShardedRegression
+
+
 def _main(argv: list[str]) -> int:
     from datetime import timedelta
 
@@ -73,7 +92,9 @@ def _main(argv: list[str]) -> int:
 
     from examples.lightning_example import Regression, build_trainer, make_loader
 
-    args = job_parser().parse_args(argv)
+    parser = job_parser()
+    parser.add_argument("--model-parallel", action="store_true", help="FSDP2 through Lightning's ModelParallelStrategy")
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -85,8 +106,12 @@ def _main(argv: list[str]) -> int:
     control = config_from_mapping(ControlConfig, json.loads(args.control), "control")
     rankscope = RankscopeCallback(metrics, control, checkpoint_dir=str(args.out / "checkpoints"))
     job_log = _job_log_callback(args.out, rank, rankscope, args.step_seconds, args.pg_timeout)
-    trainer = build_trainer(str(args.out), args.max_steps, [rankscope, job_log], use_distributed_sampler=True)
-    model = Regression(learning_rate=0.05, warmup_steps=3)
+    strategy, model_class = None, Regression
+    if args.model_parallel:
+        strategy, model_class = _model_parallel(Regression)
+    callbacks = [rankscope, job_log]
+    trainer = build_trainer(str(args.out), args.max_steps, callbacks, strategy=strategy, use_distributed_sampler=True)
+    model = model_class(learning_rate=0.05, warmup_steps=3)
     trainer.fit(model, make_loader(4096, 8), make_loader(64, 8, seed=1, shuffle=False))
 
     result = {"global_step": trainer.global_step, "should_stop": trainer.should_stop, "status": trainer.state.status}
@@ -104,9 +129,12 @@ class LightningJob(ControlClient):
     """A running 2-process lightning_job under torchrun; ControlClient's methods talk to it
     (status, post_action, wait_settled, steps, ready, close): the files it writes have the same shape."""
 
-    def __init__(self, out: Path, control_port: int, master_port: int, pg_timeout: float = 4.0) -> None:
+    def __init__(
+        self, out: Path, control_port: int, master_port: int, pg_timeout: float = 4.0, model_parallel: bool = False
+    ) -> None:
         super().__init__(out, control_port, "lightning-test")
-        self.start_job("tests/jobs/lightning_job.py", master_port, None, pg_timeout)
+        extra = ["--model-parallel"] if model_parallel else []
+        self.start_job("tests/jobs/lightning_job.py", master_port, None, pg_timeout, extra=extra)
 
     def step_lines(self, rank: int) -> list[dict[str, Any]]:
         """The rank's per-optimizer-step lines, in order."""
