@@ -7,8 +7,9 @@ thread, never through the boundary exchange:
    outlive the exit), not under torchrun or no restart left (`TORCHELASTIC_MAX_RESTARTS` /
    `TORCHELASTIC_RESTART_COUNT`), its cap or cooldown. Nothing changes then; the run goes on.
 2. else every rank's stacks are gathered over HTTP and written to the state dir (beside the
-   checkpoints), the pending record is written there too (with the step at the moment of exit),
-   every other rank is told to leave, and rank 0 leaves: every rank exits with RESTART_EXIT_STATUS
+   checkpoints); rank 0's training thread is held at its next step boundary, so a loop that is not hung
+   stops training too; the pending record is written to the state dir (with the step the group exits
+   at), every other rank is told to leave, and rank 0 leaves: every rank exits with RESTART_EXIT_STATUS
    (75, EX_TEMPFAIL), so torchrun (`--max-restarts N`) starts the group again and the loop resumes from
    its newest checkpoint.
 3. the new incarnation's rank 0 reads the record back and settles it `applied` once the restarted
@@ -54,6 +55,9 @@ logger = logging.getLogger("rankscope")
 RESTART_EXIT_STATUS = 75
 #: The record that outlives the exit, in control.state_dir.
 LEDGER_FILE = "rankscope-restart.json"
+#: Seconds a restart waits for rank 0's training thread to reach its next step boundary and stop there (a
+#: hung one never does; a step longer than this is caught by the exit step's second reading).
+_FREEZE_WAIT_SECONDS = 2.0
 #: Seconds rank 0 waits after telling the others, so its own 202 answer and their exits go out first.
 _GRACE_SECONDS = 0.3
 #: Idempotency keys of restart alerts remembered across incarnations (an alert re-sent to the new
@@ -141,6 +145,8 @@ class Restarter:
         self._leave = leave
         self._lock = threading.Lock()
         self._under_way: ActionRecord | None = None
+        # A restart under way holds the training thread at its next boundary (after_step) until the exit.
+        self._freeze, self._frozen, self._thawed = threading.Event(), threading.Event(), threading.Event()
         self._state_dir = config.state_dir
         self.ledger = RestartLedger.load(self._state_dir) if self._state_dir else RestartLedger()
         self._resumed: ActionRecord | None = None
@@ -204,7 +210,12 @@ class Restarter:
             by_rank = {0: own_stacks(0, self._in_flight), **gather(peers, self._token)}
             path = write_stacks(self._state_dir, by_rank, label)
             logger.warning("rankscope: restart %s: stacks in %s: %s", record.id, path, render(fold(by_rank), False))
-            step = int(self._snapshot.read()["step"])  # the moment of exit: what is lost is counted from here
+            # A loop that is not hung trains on meanwhile: rank 0's training thread is held at its next step
+            # boundary (the others then wait in their next collective), so the step read here is the step the
+            # group exits at. A hung rank 0 never arrives; its step does not move either.
+            self._freeze.set()
+            self._frozen.wait(_FREEZE_WAIT_SECONDS)
+            step = int(self._snapshot.read()["step"])
             self.ledger.pending = {
                 **record.to_json(),
                 "key": self.ledger.keys[-1] if self.ledger.keys else None,
@@ -216,28 +227,54 @@ class Restarter:
             self.ledger.last_exit_at = self.ledger.pending["exited_at"]
             self.ledger.save(self._state_dir)
             self._queue.note(record, f"every rank exits with status {RESTART_EXIT_STATUS} at step {step}")
-            tell_peers_to_leave(peers, self._token)
         except Exception as exc:  # nothing left the run: say so, and let a later request try again
             logger.exception("rankscope: restart %s failed before any rank left", record.id)
             with self._lock:
                 self._under_way = None
                 self.ledger.pending = None
+            self._thaw()
             self._settle(record, "failed", f"{type(exc).__name__}: {exc}"[:200])
             return
+        # What must be on disk at the exit (the goodput ledger) is written before any rank leaves: torchrun
+        # stops rank 0 once a peer has exited, and leave() is os._exit, which runs no atexit hook.
+        try:
+            self._before_exit()
+        except Exception:
+            logger.exception("rankscope: restart %s: writing the state before the exit failed", record.id)
+        tell_peers_to_leave(peers, self._token)
         logger.warning("rankscope: restart %s: rank 0 exits with status %d", record.id, RESTART_EXIT_STATUS)
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
         time.sleep(_GRACE_SECONDS)
-        try:  # leave() is os._exit, which runs no atexit hook: what must be on disk at the exit is written here
-            self._before_exit()
-        except Exception:
-            logger.exception("rankscope: restart %s: writing the state before the exit failed", record.id)
+        self._note_exit_step()
         self._leave(RESTART_EXIT_STATUS)
+
+    def _thaw(self) -> None:
+        self._freeze.clear()
+        self._frozen.clear()
+        self._thawed.set()
+
+    def _note_exit_step(self) -> None:
+        """The pending record's exit step, brought up to the step rank 0 has reached now (a slow step that
+        ended after the freeze's wait): what is lost is counted from the moment of exit."""
+        try:
+            step = int(self._snapshot.read()["step"])
+            pending = self.ledger.pending
+            if pending is not None and step > int(pending["exit_step"]):
+                pending["exit_step"] = step
+                self.ledger.save(self._state_dir)
+        except Exception:
+            logger.exception("rankscope: restart: updating the exit step failed (the one recorded stands)")
 
     # --- the new incarnation's training thread -------------------------------------------
 
     def after_step(self, step: int) -> None:
-        """Rank 0, at every step boundary: the first one after a restart settles it `applied`."""
+        """Rank 0, at every step boundary: the first one after a restart settles it `applied`; while a restart
+        is carried out, the training thread is held here until the process exits."""
+        if self._freeze.is_set():
+            self._frozen.set()
+            self._thawed.wait()
+            self._thawed.clear()
         if self._resumed is None or self.ledger.pending is None:
             return
         pending = self.ledger.pending
