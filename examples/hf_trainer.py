@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rankscope import MonitorConfig
-from rankscope.control import ControlConfig
+from rankscope.control import ControlConfig, init_restartable_process_group
 from rankscope.integrations.hf.callback import RankscopeCallback
 from torch.utils.data import Dataset
 from transformers import BertConfig, BertForSequenceClassification, PrinterCallback, Trainer, TrainingArguments
@@ -118,10 +118,11 @@ def init_process_group(timeout_seconds: int) -> None:
 
     On CPU, TrainingArguments does not hand ddp_timeout to the process group it creates
     (transformers 5.24), so a stuck collective would wait 30 minutes whatever ddp_timeout says.
-    Accelerate uses a group that already exists.
+    Accelerate uses a group that already exists. It is created so that torchrun can start it again after
+    rankscope's `restart` (docs/hangs.md).
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
+        init_restartable_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -422,6 +422,48 @@ def test_stop_checkpoints_then_ends_training_on_both_ranks(ddp_job):
 
 
 @pytest.mark.integration
+def test_a_restart_resumes_the_trainer_from_the_newest_checkpoint_and_is_settled_applied_with_the_lost_steps(tmp_path):
+    """docs/hangs.md's recipe for the callbacks: `control.state_dir` and a restarted run that fits from
+    `newest_checkpoint`. torchrun (--max-restarts 1) starts the group again after `restart`; the new
+    incarnation trains on from the checkpoint's step and its rank 0 settles the restart applied, naming the
+    steps lost since the checkpoint."""
+    checkpoints = tmp_path / "checkpoints"
+    job = LightningJob(
+        tmp_path, free_port(), free_port(), PG_TIMEOUT, control={"state_dir": str(checkpoints)}, max_restarts=1
+    )
+    try:
+        job.wait_ready()
+        save = job.wait_settled(job.post_action("checkpoint"))
+        assert save["status"] == "applied", save
+        job.wait_for(lambda: _reached(job, save["step"] + 3), "3 steps after the checkpoint")
+        restart_id = job.post_action("restart", reason="test")
+
+        def settled() -> dict | None:  # by the new incarnation; the endpoint is down in between
+            found = [r for r in job.status()["recent"] if r["id"] == restart_id and r["status"] != "pending"]
+            return found[0] if found else None
+
+        restart = job.wait_for(settled, "the restart settled by the new incarnation", timeout=180)
+        job.wait_for(lambda: _reached(job, restart["step"] + 2), "steps after the restart")
+        job.post_action("stop")
+        assert job.wait_exit(timeout=120) == 0, job.diagnose()
+    finally:
+        job.close()
+
+    assert restart["status"] == "applied", restart
+    for rank in (0, 1):
+        steps = [line["step"] for line in job.step_lines(rank)]
+        drops = [n for n in range(1, len(steps)) if steps[n] <= steps[n - 1]]
+        assert len(drops) == 1, (rank, steps)  # one restart, and each incarnation's steps go up one by one
+        before, after = steps[: drops[0]], steps[drops[0] :]
+        assert after == list(range(save["step"] + 1, after[-1] + 1)), (rank, steps)  # on from the checkpoint
+        assert before == list(range(1, before[-1] + 1)), (rank, steps)
+        lost = before[-1] - save["step"]
+        assert f"{lost} step(s) after the newest checkpoint lost" in restart["detail"], (rank, restart, steps)
+    assert sample_value(samples(job.final_page(0)), "rankscope_restart_lost_steps_total") == lost
+    assert job.result(0)["global_step"] == job.result(1)["global_step"] > restart["step"]
+
+
+@pytest.mark.integration
 def test_under_lightnings_own_launcher_each_rank_serves_its_own_identity(tmp_path):
     """`python train.py` with Trainer(strategy="ddp", devices=2): Lightning starts rank 1 itself and sets
     LOCAL_RANK and WORLD_SIZE but not RANK. The identity comes from the trainer: two ranks, two identities,

@@ -61,9 +61,12 @@ class ControlClient:
         self.http: Any = requests  # what status/post_action send with: a TLS test sets a session_for session
         self.proc: subprocess.Popen | None = None
 
-    def start(self, target: list[str], master_port: int, env: dict[str, str] | None = None) -> None:
+    def start(
+        self, target: list[str], master_port: int, env: dict[str, str] | None = None, max_restarts: int = 0
+    ) -> None:
         """torchrun 2 ranks of `target` (a script and its arguments) with the run id and `env`."""
-        self.proc = torchrun(2, target, master_port, {"RANKSCOPE_RUN_ID": self.run_id, **(env or {})}, log=self.log)
+        env = {"RANKSCOPE_RUN_ID": self.run_id, **(env or {})}
+        self.proc = torchrun(2, target, master_port, env, log=self.log, max_restarts=max_restarts)
 
     def start_job(
         self,
@@ -73,6 +76,7 @@ class ControlClient:
         pg_timeout: float,
         env: dict[str, str] | None = None,
         extra: list[str] | None = None,
+        max_restarts: int = 0,
     ) -> None:
         """Start one of tests/jobs (`script`) with its control endpoint on this client's port and token, and the
         script's own `extra` options."""
@@ -80,7 +84,7 @@ class ControlClient:
         settings.update(control or {})
         target = [script, "--out", str(self.out), "--control", json.dumps(settings), "--pg-timeout", str(pg_timeout)]
         target += extra or []
-        self.start(target, master_port, env)
+        self.start(target, master_port, env, max_restarts)
 
     def wait_for(self, check: Callable[[], T], what: str, timeout: float = 60.0) -> T:
         """Poll `check` until truthy; fail at once if the job dies, with its log either way."""

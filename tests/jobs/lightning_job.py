@@ -17,6 +17,7 @@ Checkpoints go to DIR/checkpoints. Tests use :class:`LightningJob` to start it a
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,14 +82,18 @@ def _model_parallel(regression: type) -> tuple[Any, type]:
 
 
 def _main(argv: list[str]) -> int:
+    import faulthandler
+    import signal
     from datetime import timedelta
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks each rank where it is
 
     import torch
     import torch.distributed as dist
     from prometheus_client import generate_latest
     from rankscope import MonitorConfig, config_from_mapping
-    from rankscope.control import ControlConfig
-    from rankscope.integrations.lightning.callback import RankscopeCallback
+    from rankscope.control import ControlConfig, init_restartable_process_group
+    from rankscope.integrations.lightning import RankscopeCallback, newest_checkpoint
 
     from examples.lightning_example import Regression, build_trainer, make_loader
 
@@ -99,8 +104,9 @@ def _main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     # Start-up on a busy machine can be slow: a long timeout until training runs (JobLog sets the short
-    # one then). Lightning's DDP strategy uses a process group that already exists.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    # one then). Lightning's strategies use a process group that already exists; this one a restarted
+    # group (the `restart` action) can start again (docs/hangs.md).
+    init_restartable_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     metrics = MonitorConfig(host="127.0.0.1", base_port=0, module_stats_every_n_steps=2, probes=("host",))
     control = config_from_mapping(ControlConfig, json.loads(args.control), "control")
@@ -112,7 +118,10 @@ def _main(argv: list[str]) -> int:
     callbacks = [rankscope, job_log]
     trainer = build_trainer(str(args.out), args.max_steps, callbacks, strategy=strategy, use_distributed_sampler=True)
     model = model_class(learning_rate=0.05, warmup_steps=3)
-    trainer.fit(model, make_loader(4096, 8), make_loader(64, 8, seed=1, shuffle=False))
+    # Restarted by torchrun (the `restart` action): resume from the newest checkpoint, as docs/hangs.md says.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume = newest_checkpoint(args.out / "checkpoints") if restarted else None
+    trainer.fit(model, make_loader(4096, 8), make_loader(64, 8, seed=1, shuffle=False), ckpt_path=resume)
 
     result = {"global_step": trainer.global_step, "should_stop": trainer.should_stop, "status": trainer.state.status}
     (args.out / f"rank{rank}.result.json").write_text(json.dumps(result, default=str))
@@ -130,11 +139,19 @@ class LightningJob(ControlClient):
     (status, post_action, wait_settled, steps, ready, close): the files it writes have the same shape."""
 
     def __init__(
-        self, out: Path, control_port: int, master_port: int, pg_timeout: float = 4.0, model_parallel: bool = False
+        self,
+        out: Path,
+        control_port: int,
+        master_port: int,
+        pg_timeout: float = 4.0,
+        model_parallel: bool = False,
+        control: dict[str, Any] | None = None,
+        max_restarts: int = 0,
     ) -> None:
         super().__init__(out, control_port, "lightning-test")
         extra = ["--model-parallel"] if model_parallel else []
-        self.start_job("tests/jobs/lightning_job.py", master_port, None, pg_timeout, extra=extra)
+        job = "tests/jobs/lightning_job.py"
+        self.start_job(job, master_port, control, pg_timeout, extra=extra, max_restarts=max_restarts)
 
     def step_lines(self, rank: int) -> list[dict[str, Any]]:
         """The rank's per-optimizer-step lines, in order."""

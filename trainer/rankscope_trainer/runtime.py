@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from rankscope.control.rendezvous import attempt_store
 
 from rankscope_trainer.config import ConfigError
 
@@ -58,7 +59,7 @@ class Runtime:
         timeout = timedelta(seconds=timeout_seconds)
         store_file = None
         if "WORLD_SIZE" in os.environ:
-            store, rank, world_size = _attempt_store(timeout)
+            store, rank, world_size = attempt_store(timeout)  # a restarted group reads only its own keys
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                 device_id=chosen if use_cuda else None,
@@ -97,21 +98,6 @@ class Runtime:
             for path in (self._store_file, self._store_file + ".lock"):
                 if os.path.exists(path):
                     os.unlink(path)
-
-
-def _attempt_store(timeout: timedelta) -> tuple[Any, int, int]:
-    """torchrun's env:// store (MASTER_ADDR/PORT, RANK, WORLD_SIZE), with keys of this attempt only.
-
-    torchrun's agent keeps one store for every restart round (the static
-    rendezvous always; c10d when it shares its TCPStore, the default), and the
-    env:// rendezvous adds no per-attempt prefix. Without one, a rank of a
-    restarted group (`--max-restarts`) can read a peer's address left by the
-    attempt that crashed and fail to connect ("Gloo connectFullMesh failed ...
-    Connection refused"), a race that ends the job instead of resuming it.
-    """
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"rankscope/attempt_{attempt}", store), rank, world_size
 
 
 def seed_everything(seed: int) -> None:

@@ -21,7 +21,8 @@ contract (:class:`RollbackRequest`, :class:`RollbackDone`, :class:`MicroBatchCha
 and for embedding
 the endpoint elsewhere :func:`create_app` / :class:`AppDeps` /
 :func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`; :func:`ignore_stop_signals`
-for DataLoader workers started with spawn/forkserver.
+for DataLoader workers started with spawn/forkserver; :func:`init_restartable_process_group` (or
+:func:`attempt_store`) for a process group that torchrun can restart after `restart`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # at run time each name is imported on first use: the CLI nee
     from rankscope.control.lr import scale_learning_rates
     from rankscope.control.metrics import record_checkpoint, record_checkpoint_failure
     from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
+    from rankscope.control.rendezvous import attempt_store, init_restartable_process_group
     from rankscope.control.state import ActionQueue, RunSnapshot
     from rankscope.control.stops import ignore_stop_signals
 
@@ -62,6 +64,8 @@ _WHERE = {
     "ControlPortInUse": ".endpoint",
     "ControlServer": ".endpoint",
     "serve_control": ".endpoint",
+    "attempt_store": ".rendezvous",
+    "init_restartable_process_group": ".rendezvous",
     "ActionQueue": ".state",
     "RunSnapshot": ".state",
     "ignore_stop_signals": ".stops",
@@ -83,8 +87,10 @@ __all__ = [
     "RollbackDone",
     "RollbackRequest",
     "RunSnapshot",
+    "attempt_store",
     "create_app",
     "ignore_stop_signals",
+    "init_restartable_process_group",
     "load_token",
     "record_checkpoint",
     "record_checkpoint_failure",
