@@ -89,9 +89,7 @@ def build_trainer(
     a `strategy` is given."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if strategy is None and world_size <= 1:
-        strategy = "auto"
-    elif strategy is None:
+    if strategy is None and world_size > 1:
         # Every parameter takes part in the forward pass: spare DDP its extra graph traversal.
         strategy = DDPStrategy(timeout=timedelta(seconds=ddp_timeout), find_unused_parameters=False)
     # Tiny in-memory data needs no loader workers; Lightning would suggest some on every run.
@@ -102,7 +100,7 @@ def build_trainer(
         accelerator="cpu",
         devices=per_node,
         num_nodes=max(1, world_size // per_node),
-        strategy=strategy,
+        strategy=strategy if strategy is not None else "auto",
         callbacks=list(callbacks),
         accumulate_grad_batches=accumulate_grad_batches,
         gradient_clip_val=gradient_clip_val,

@@ -176,3 +176,29 @@ def test_restart_while_one_is_under_way_is_a_noop(wsgi_call, tmp_path):
     release.set()
     assert body["status"] == "noop" and "already under way" in body["detail"]
     assert rank0.left.wait(10)
+
+
+def test_a_restart_holds_rank_0_s_training_thread_at_its_next_boundary_and_records_that_step(wsgi_call, tmp_path):
+    """A loop that is not hung: its training thread, still stepping, is held at the next boundary once the
+    stacks are gathered, and the exit step recorded is the step it was held at (nothing trained after it)."""
+    first = Incarnation(tmp_path, UNDER_TORCHRUN)
+    held_at: list[int] = []
+    stop = threading.Event()
+
+    def training() -> None:
+        step = 0
+        while not stop.is_set() and not first.left.is_set():
+            step += 1
+            first.snapshot.update(step=step)
+            held_at.append(step)
+            first.restarter.after_step(step)  # returns only while no restart is under way
+
+    thread = threading.Thread(target=training, daemon=True)
+    thread.start()
+    try:
+        status, _, _ = wsgi_call(first.app, "POST", "/v1/actions", {"action": "restart", "reason": "test"}, AUTH)
+        assert status == 202 and first.left.wait(10)
+        exit_step = json.loads((tmp_path / LEDGER_FILE).read_text())["pending"]["exit_step"]
+        assert thread.is_alive() and exit_step == held_at[-1], (exit_step, held_at[-3:])
+    finally:
+        stop.set()

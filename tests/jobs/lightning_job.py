@@ -82,11 +82,7 @@ def _model_parallel(regression: type) -> tuple[Any, type]:
 
 
 def _main(argv: list[str]) -> int:
-    import faulthandler
-    import signal
     from datetime import timedelta
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks each rank where it is
 
     import torch
     import torch.distributed as dist

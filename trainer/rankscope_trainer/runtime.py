@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from rankscope.control.rendezvous import attempt_store
+from rankscope.control.rendezvous import init_restartable_process_group
 
 from rankscope_trainer.config import ConfigError
 
@@ -59,11 +59,8 @@ class Runtime:
         timeout = timedelta(seconds=timeout_seconds)
         store_file = None
         if "WORLD_SIZE" in os.environ:
-            store, rank, world_size = attempt_store(timeout)  # a restarted group reads only its own keys
-            dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                device_id=chosen if use_cuda else None,
-            )  # fmt: skip
+            # On this attempt's own store keys, so a group restarted by torchrun can connect again.
+            init_restartable_process_group(backend, timeout, device_id=chosen if use_cuda else None)
         else:
             handle, store_file = tempfile.mkstemp(prefix="rankscope-store-")
             os.close(handle)

@@ -213,6 +213,8 @@ class Restarter:
             # A loop that is not hung trains on meanwhile: rank 0's training thread is held at its next step
             # boundary (the others then wait in their next collective), so the step read here is the step the
             # group exits at. A hung rank 0 never arrives; its step does not move either.
+            self._thawed.clear()
+            self._frozen.clear()
             self._freeze.set()
             self._frozen.wait(_FREEZE_WAIT_SECONDS)
             step = int(self._snapshot.read()["step"])
@@ -251,7 +253,6 @@ class Restarter:
 
     def _thaw(self) -> None:
         self._freeze.clear()
-        self._frozen.clear()
         self._thawed.set()
 
     def _note_exit_step(self) -> None:
@@ -273,8 +274,7 @@ class Restarter:
         is carried out, the training thread is held here until the process exits."""
         if self._freeze.is_set():
             self._frozen.set()
-            self._thawed.wait()
-            self._thawed.clear()
+            self._thawed.wait()  # set only if the restart failed before any rank left
         if self._resumed is None or self.ledger.pending is None:
             return
         pending = self.ledger.pending
