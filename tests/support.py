@@ -8,13 +8,9 @@ and the benchmarks use too; this module re-exports them for the tests and adds w
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +18,7 @@ from devstack.jobs import REPO, fetch, sample_value, samples, stop_process, tail
 from devstack.monitoring import INSTALL_HINT, Server, start_alertmanager, start_prometheus, unix_time
 from devstack.ports import free_port, free_port_block
 from devstack.processes import Children, StackError, find_binary
+from devstack.webhook import Delivery, WebhookSink
 
 J = TypeVar("J")
 
@@ -133,70 +130,6 @@ def running_alertmanager(config: Path, workdir: Path, port: int) -> Iterator[str
         yield start_alertmanager(children, config, workdir, port).url
     finally:
         children.stop_all({})
-
-
-@dataclass
-class Delivery:
-    """One webhook request received by a WebhookSink."""
-
-    path: str
-    authorization: str
-    body: dict
-
-
-class WebhookSink:
-    """A tiny HTTP server standing in for a pager (or the trainer): it records every POST.
-
-    Its condition is shared by the HTTP threads and the test, which waits on it.
-    """
-
-    def __init__(self) -> None:
-        self.deliveries: list[Delivery] = []
-        self._changed = threading.Condition()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with sink._changed:
-                    sink.deliveries.append(Delivery(self.path, self.headers.get("Authorization", ""), body))
-                    sink._changed.notify_all()
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def received(self) -> list[Delivery]:
-        with self._changed:
-            return list(self.deliveries)
-
-    def wait_for(
-        self, predicate: Callable[[Delivery], bool], timeout: float, diagnose: Callable[[], str] = lambda: ""
-    ) -> Delivery:
-        """The first delivery matching `predicate`, waiting up to `timeout` seconds for it."""
-        import pytest
-
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                found = next((d for d in self.deliveries if predicate(d)), None)
-                if found or time.monotonic() >= deadline:
-                    break
-                self._changed.wait(deadline - time.monotonic())
-        if found is None:
-            got = [(d.path, d.body) for d in self.received()]
-            pytest.fail(f"no matching delivery within {timeout}s; got {got}\n{diagnose()}")
-        return found
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def hold_paused(
