@@ -62,3 +62,43 @@ def test_a_missing_or_binary_log_is_one_line(tmp_path) -> None:
     binary.write_bytes(b"\xff\xfe\x00\x01")
     with pytest.raises(ReportError, match="is not text"):
         read_run_log(binary)
+
+
+def _flush(steps: range, time: float) -> list[dict]:
+    return [{"type": "train", "step": s, "loss": 2.0 - s / 100, "lr": 1e-3, "time": time} for s in steps]
+
+
+def _hung_and_restarted(tmp_path):
+    """10 steps a flush, one flush every 10 s; a 30 s hang after step 30; the restarted group resumes from
+    step 20 (its start record at 170 s) and flushes at 180 s; then a 40 s stretch without a step (180..220 s)."""
+    records = [{"type": "start", "step": 0, "time": 100.0}]
+    records += _flush(range(1, 11), 110.0) + _flush(range(11, 21), 120.0) + _flush(range(21, 31), 130.0)
+    records += [{"type": "resume", "step": 20, "time": 168.0}, {"type": "start", "step": 20, "time": 170.0}]
+    records += _flush(range(21, 31), 180.0) + _flush(range(31, 41), 230.0)
+    return read_run_log(_write(tmp_path, [json.dumps(r) for r in records]))
+
+
+def test_no_step_is_spread_into_a_hang_a_restart_or_any_stretch_without_steps(tmp_path) -> None:
+    train = _hung_and_restarted(tmp_path).train()
+    times = train["time"]
+    assert np.allclose(times[:30], 100.0 + np.arange(1, 31))  # the normal flushes: spread evenly, as before
+    assert not ((times > 130.0) & (times < 170.0)).any(), "steps drawn inside the hang and the restart"
+    assert (times[30:40] > 170.0).all() and times[39] == 180.0  # the new incarnation's steps after its start
+    assert not ((times > 180.0) & (times < 220.0)).any(), "steps drawn inside 40 s without a step"
+    assert np.allclose(times[40:], 221.0 + np.arange(10))  # at the run's own pace (1 s a step), up to the flush
+    # Each stretch that trained is a segment of its own: the plot breaks the line between them.
+    assert list(np.unique(train["segment"], return_index=True)[1]) == [0, 30, 40]
+
+
+def test_the_per_step_loss_line_breaks_where_no_step_trained(tmp_path) -> None:
+    from rankscope.report.sections import _log_series
+
+    loss = _log_series(_hung_and_restarted(tmp_path))["loss"]
+    breaks = np.flatnonzero(np.isnan(loss.v))
+    assert len(breaks) == 2, "the line must break at the restart and at the 40 s without a step"
+    for index in breaks:  # no drawn segment spans a stretch without steps
+        assert loss.t[index - 1] <= 130.0 < 170.0 <= loss.t[index + 1] or (
+            loss.t[index - 1] <= 180.0 < 220.0 <= loss.t[index + 1]
+        )
+    finite = np.isfinite(loss.v)
+    assert np.diff(loss.t[finite][:30]).max() <= 1.0 + 1e-9

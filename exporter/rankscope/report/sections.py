@@ -22,7 +22,7 @@ from rankscope.report.collect import RunData
 from rankscope.report.html import Figure, Note, Paragraph, Section, Table
 from rankscope.report.incidents import ActionEvent, AlertEpisode, Incidents
 from rankscope.report.runlog import RunLog
-from rankscope.report.series import Series
+from rankscope.report.series import Series, broken
 
 __all__ = [
     "SECTIONS",
@@ -195,9 +195,10 @@ def _log_series(log: RunLog | None) -> dict[str, Series]:
     train, val = log.train(), log.val()
     out: dict[str, Series] = {}
     if len(train["step"]):
-        keep = np.isfinite(train["time"])
-        out["loss"] = Series({}, train["time"][keep], train["loss"][keep], "train loss").finite()
-        out["lr"] = Series({}, train["time"][keep], train["lr"][keep], "learning rate").finite()
+        # A NaN between the stretches that trained (a hang or a restart lies between them): the line breaks.
+        for key, name in (("loss", "train loss"), ("lr", "learning rate")):
+            keep = np.isfinite(train["time"]) & np.isfinite(train[key])
+            out[key] = broken(Series({}, train["time"][keep], train[key][keep], name), train["segment"][keep])
     if len(val["step"]):
         out["val"] = Series({}, val["time"], val["loss"], "validation loss").finite()
     return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Series", "by_rank", "rank_key", "times_union"]
+__all__ = ["Series", "broken", "by_rank", "rank_key", "times_union"]
 
 
 @dataclass
@@ -75,3 +75,14 @@ def times_union(series: Sequence[Series]) -> np.ndarray:
     if not series:
         return np.array([])
     return np.unique(np.concatenate([s.t for s in series]))
+
+
+def broken(series: Series, segment: np.ndarray) -> Series:
+    """`series` with a NaN point between its segments (`segment[i]` is point i's), so a plot breaks its line
+    there instead of drawing across a stretch without data."""
+    segment = np.asarray(segment)
+    if len(series) < 2:
+        return series
+    cuts = np.flatnonzero(np.diff(segment) != 0) + 1
+    t = np.insert(series.t, cuts, (series.t[cuts - 1] + series.t[cuts]) / 2)
+    return Series(dict(series.labels), t, np.insert(series.v, cuts, np.nan), series.name)
