@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -48,3 +49,19 @@ def test_the_metrics_page_is_generated_from_the_contract():
         [sys.executable, "-m", "devstack.metrics_doc", "--check"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def _distribution(requirement: str) -> str:
+    """The canonical distribution name of a requirement string ("prometheus-client>=0.20" -> prometheus-client)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]).lower()
+
+
+def test_the_readme_names_exactly_the_core_dependencies():
+    declared = {
+        _distribution(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    readme = (REPO / "README.md").read_text()
+    paragraph = re.search(r"^The library needs .*?(?:\n\n|\Z)", readme, flags=re.M | re.S)
+    assert paragraph, "README.md: no 'The library needs ...' paragraph under Install"
+    named = {_distribution(name) for name in re.findall(r"`([A-Za-z0-9_.-]+)`", paragraph.group(0))}
+    assert named == declared, f"README names {sorted(named - declared)} too many, {sorted(declared - named)} missing"
