@@ -262,13 +262,15 @@ class ControlChannel:
         """The loop has left after its last step: call on every rank instead of close().
 
         A stop the loop was asked for is "applied" now: every rank logs `rank R applied stop at step N`,
-        and rank 0's /v1/status and rankscope_control_actions_total say so. Rank 0's endpoint then keeps
-        serving for `linger_seconds` (e.g. one scrape interval, so Prometheus and a waiting `rankscope-ctl`
-        see the outcome) before it closes. Local: issues no collective. Call it from the thread that
-        created the channel, as close(): the signal handlers are put back there."""
+        and rank 0's /v1/status and rankscope_control_actions_total say so. Every rank then waits
+        `linger_seconds` before its endpoints close and the call returns, so that each rank's metrics page
+        (closed by `monitor.close()` after this) is scraped showing rankscope_run_finished 1, and a waiting
+        `rankscope-ctl` sees the outcome: more than one scrape interval. A rank that left at once would be
+        down, not finished, to Prometheus, and page as RankscopeRankDown. Local: issues no collective. Call
+        it from the thread that created the channel, as close(): the signal handlers are put back there."""
         self._settle_stop()
-        if linger_seconds > 0 and self._server is not None:
-            logger.info("rankscope: control endpoint closes in %.0fs (finish)", linger_seconds)
+        if linger_seconds > 0:
+            logger.info("rankscope: rank %d serves for %.0fs more (finish)", self.rank, linger_seconds)
             time.sleep(linger_seconds)
         self.close()
 
