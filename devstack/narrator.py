@@ -44,11 +44,13 @@ class PagerSink:
     """Alertmanager's pager receiver in the demo: a webhook on 127.0.0.1 that says each page it gets.
 
     The demo's derived Alertmanager config points `pager:9095` (compose's service name, which does not
-    resolve outside compose) here, so a page is shown instead of failing on a DNS lookup."""
+    resolve outside compose) here, so a page is shown instead of failing on a DNS lookup. With a `run_id`,
+    pages of other runs (an earlier demo's, whose data Prometheus keeps in .stack/) are not said."""
 
-    def __init__(self, say: Callable[[str], None], port: int = 0) -> None:
+    def __init__(self, say: Callable[[str], None], port: int = 0, run_id: str | None = None) -> None:
         sink = self
         self._say = say
+        self.run_id = run_id
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
@@ -56,9 +58,9 @@ class PagerSink:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 except ValueError:
                     body = {}
+                sink.page(body)  # said before the answer: whoever posted it sees the line once answered
                 self.send_response(200)
                 self.end_headers()
-                sink.page(body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -72,6 +74,8 @@ class PagerSink:
         """Say one line per alert of an Alertmanager webhook payload."""
         for alert in payload.get("alerts", []):
             labels = alert.get("labels", {})
+            if not _of_run(labels, self.run_id):
+                continue
             state = "resolved" if alert.get("status") == "resolved" else "firing"
             self._say(stamped(f"page sent: {labels.get('alertname', '?')} {state} ({_describe(labels)})"))
 
@@ -141,7 +145,10 @@ class Narrator:
         say: Callable[[str], None] = lambda line: print(line, flush=True),
         interval: float = 1.0,
         stacks_dir: Path | None = None,
+        run_id: str | None = None,
     ) -> None:
+        self.run_id = run_id
+        """The run narrated; None: the one the control endpoint serves, learned before anything is said."""
         self._prometheus, self._control, self._token = Prometheus(prometheus, timeout=3), control, token
         self._say, self._interval = say, interval
         self._firing: set[tuple[str, str]] = set()
@@ -169,11 +176,24 @@ class Narrator:
 
     def poll(self) -> None:
         """One round: print alerts that started or stopped firing and actions settled since the last round."""
-        alerts = self._prometheus.api("/api/v1/alerts")["alerts"]
+        status = self._status() if self.run_id is None else None
+        if status is not None:
+            self.on_status(status)
+        self.on_alerts(self._prometheus.api("/api/v1/alerts")["alerts"])
+        self.on_status(status or self._status())
+        self._report_loss_after()
+        self._rounds += 1
+
+    def on_alerts(self, alerts: list[dict]) -> None:
+        """Say which of this run's alerts (Prometheus's /api/v1/alerts) started or stopped firing."""
+        if self.run_id is None:
+            return
         firing = {
             (a["labels"]["alertname"], _describe(a["labels"])): a
             for a in alerts
-            if a["state"] == "firing" and a["labels"]["alertname"].startswith("Rankscope")
+            if a["state"] == "firing"
+            and a["labels"]["alertname"].startswith("Rankscope")
+            and _of_run(a["labels"], self.run_id)
         }
         for key in sorted(set(firing) - self._firing):
             labels = firing[key]["labels"]
@@ -182,7 +202,13 @@ class Narrator:
         for key in sorted(self._firing - set(firing)):
             self._say(stamped(f"alert {key[0]} resolved ({key[1]})"))
         self._firing = set(firing)
-        status = self._status()
+
+    def on_status(self, status: dict) -> None:
+        """Say the actions of this run (the control endpoint's /v1/status) settled since the last call."""
+        if self.run_id is None:
+            self.run_id = status["run_id"]
+        if status["run_id"] != self.run_id:
+            return  # a trainer of another run answers on this port: its actions are not this run's
         for record in status["recent"]:
             if record["id"] in self._settled:
                 continue
@@ -202,8 +228,6 @@ class Narrator:
                 self._after.append((at, what, self._loss_mean(at)))
             if record["action"] == "restart":
                 self._say_stacks()
-        self._report_loss_after()
-        self._rounds += 1
 
     def _say_stacks(self) -> None:
         """The folded stacks the restart wrote beside the checkpoints (the newest file), a few lines of them."""
@@ -246,6 +270,11 @@ class Narrator:
 
 def loss_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
+
+
+def _of_run(labels: dict[str, str], run_id: str | None) -> bool:
+    """Whether an alert's labels are of the run `run_id` (None: any run)."""
+    return run_id is None or labels.get("run_id") == run_id
 
 
 def _describe(labels: dict[str, str]) -> str:

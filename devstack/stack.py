@@ -119,16 +119,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if not args.config.is_file():
         parser.error(f"--config {args.config} is not a file")
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    # The run's own run_id (one --set run.run_id=... gives, else new per launch): the narration, the pages
+    # and the report speak of it only, not of an earlier demo whose data Prometheus keeps in the run dir.
+    args.run_id = config.run.run_id or f"demo-{args.scenario}-{int(args.started_at)}"
     fault_step = SCENARIOS[args.scenario].fault_step
     if fault_step is not None:
         if args.steps is not None:
             steps, said = args.steps, f"--steps {args.steps}"
         else:
-            try:
-                steps = load_config(args.config, args.overrides).run.max_steps
-            except ConfigError as exc:
-                parser.error(str(exc))
-            said = f"the config's run.max_steps {steps}"
+            steps, said = config.run.max_steps, f"the config's run.max_steps {config.run.max_steps}"
         if steps <= fault_step:
             parser.error(f"{said} ends before the {args.scenario} scenario's fault at step {fault_step}: give "
                          "more steps (make demo DEMO_STEPS=...) or --scenario none")  # fmt: skip
@@ -155,6 +158,7 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
         f"control.token_file={token}",
         f"checkpoint.dir={checkpoint_dir(args, run_dir)}",
         f"run.log_file={run_dir / 'log.jsonl'}",
+        f"run.run_id={args.run_id}",
         *([f"run.max_steps={args.steps}"] if args.steps else []),
         *SCENARIOS[args.scenario].settings,
         *args.overrides,
@@ -171,7 +175,7 @@ def _trainer_argv(args: argparse.Namespace, ports: Ports, run_dir: Path, token: 
     return argv
 
 
-def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path) -> str:
+def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path, run_id: str) -> str:
     lines = [
         "rankscope stack is up (Ctrl-C stops everything):",
         # Debian's Prometheus serves its pages under /classic/; its Alertmanager has no web UI.
@@ -182,24 +186,27 @@ def _banner(ports: Ports, nproc: int, run_dir: Path, token: Path) -> str:
         f"  control         http://127.0.0.1:{ports.control}/v1/status  (bearer token in {token})",
         "  Grafana         not started here: import grafana/dashboards/*.json (datasource uid rankscope-prometheus)",
         f"  logs            {run_dir / 'logs'}",
-        f"  run report      {shlex.join(_report_argv(ports, run_dir, for_banner=True))}  (also written on exit)",
+        f"  run id          {run_id}",
+        f"  run report      {shlex.join(_report_argv(ports, run_dir, run_id, for_banner=True))}"
+        "  (also written on exit)",
     ]
     return "\n".join(lines)
 
 
-def _report_argv(ports: Ports, run_dir: Path, for_banner: bool = False) -> list[str]:
+def _report_argv(ports: Ports, run_dir: Path, run_id: str, for_banner: bool = False) -> list[str]:
     """The rankscope-report command for this stack's run (the console script, if installed, in the banner)."""
     script = Path(sys.executable).parent / "rankscope-report"
     command = [str(script)] if for_banner and script.exists() else [sys.executable, "-m", "rankscope.report"]
     return [*command, "--prometheus", f"http://127.0.0.1:{ports.prometheus}", "--log", str(run_dir / "log.jsonl"),
-            "--out", str(run_dir / "report.html")]  # fmt: skip
+            "--out", str(run_dir / "report.html"), "--run-id", run_id]  # fmt: skip
 
 
-def _write_report(ports: Ports, run_dir: Path, timeout: float = 180.0) -> None:
+def _write_report(ports: Ports, run_dir: Path, run_id: str, timeout: float = 180.0) -> None:
     """Write the run report while Prometheus still runs; a failure is one line, never the launcher's exit status."""
     print(f"writing the run report to {run_dir / 'report.html'} ...", flush=True)
     try:
-        result = subprocess.run(_report_argv(ports, run_dir), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        command = _report_argv(ports, run_dir, run_id)
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         print(f"devstack.stack: the run report was not written: {exc}", flush=True)
         return
@@ -274,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         "prometheus", "prometheus-alertmanager", hint=INSTALL_HINT
     )  # fail before touching anything if one is missing
     # Alertmanager's pager receiver is compose's pager:9095, which does not resolve here: a local sink says each page.
-    pager = PagerSink(lambda line: print(line, flush=True)) if args.pager_port is None else None
+    pager = PagerSink(lambda line: print(line, flush=True), run_id=args.run_id) if args.pager_port is None else None
     ports = choose_ports(args, pager.port if pager is not None else None)
     run_dir = args.run_dir.resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -296,19 +303,20 @@ def run(args: argparse.Namespace) -> int:
             return 0
         # The trainer writes to this terminal: its progress lines are the demo's output.
         trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
-        print(_banner(ports, args.nproc, run_dir, token), flush=True)
+        print(_banner(ports, args.nproc, run_dir, token, args.run_id), flush=True)
         print(f"  scenario        {args.scenario}: {SCENARIOS[args.scenario].expect}", flush=True)
         if certs is not None:
             print(f"  mTLS            certificates, keys and web config in {certs.folder}", flush=True)
         narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
-                            token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir)).start()  # fmt: skip
+                            token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir),
+                            run_id=args.run_id).start()  # fmt: skip
         try:
             _supervise(stop, monitoring, trainer)
         finally:
             narrator.stop()
         print("stopping the stack: asking the trainer to checkpoint and stop ...", flush=True)
         _stop_trainer_gracefully(trainer, ports, token, scheme=scheme)
-        _write_report(ports, run_dir)
+        _write_report(ports, run_dir, args.run_id)
         return 0
     finally:
         # Whatever still runs: trainer first, then Prometheus, then Alertmanager.

@@ -76,10 +76,12 @@ def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_i
     from devstack.stack import _trainer_argv
 
     config = REPO / "trainer/rankscope_trainer/configs/demo.yaml"
-    args = argparse.Namespace(scenario="hang", nproc=2, steps=3000, overrides=[], config=config, started_at=1.0)
+    args = argparse.Namespace(scenario="hang", nproc=2, steps=3000, overrides=[], config=config, started_at=1.0,
+                              run_id="demo-hang-1")  # fmt: skip
     ports = Ports(prometheus=1, alertmanager=2, control=3, metrics=4)
     argv = _trainer_argv(args, ports, tmp_path, tmp_path / "token")
     assert "--max-restarts=1" in argv[: argv.index("rankscope_trainer")]
+    assert "run.run_id=demo-hang-1" in argv  # the restarted group keeps the run_id the narration follows
     assert argv[-2:] != ["--resume", "auto"] and "auto" in argv  # the restarted group resumes ...
     assert f"checkpoint.dir={tmp_path / 'checkpoints' / 'hang-1'}" in argv  # ... from this launch's own folder
     labels = {"run_id": "demo", "rank": "1", "phase": "data_wait", "suspect": "outside_collective"}
@@ -91,3 +93,62 @@ def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_i
     narrator._say_stacks()
     assert "rankscope-stacks-restart-1.txt" in lines[0]
     assert lines[1:] == ["    rank 0: all_reduce in backward", "    rank 1: get in queue"]
+
+
+# Recorded answers, in the shapes Prometheus 2.x's /api/v1/alerts and the control endpoint's /v1/status give.
+def _alert(name: str, run_id: str, state: str = "firing", **labels: str) -> dict:
+    return {
+        "labels": {"alertname": name, "run_id": run_id, "severity": "page", **labels},
+        "annotations": {"summary": f"{name} on {run_id}"},
+        "state": state,
+        "activeAt": "2026-12-04T05:01:02.123456789Z",
+        "value": "1e+00",
+    }
+
+
+def _status(run_id: str, recent: list[dict]) -> dict:
+    return {"run_id": run_id, "world_size": 2, "step": 620, "learning_rates": [0.0005], "paused": False,
+            "paused_since": None, "stopping": False, "pending": [], "recent": recent}  # fmt: skip
+
+
+def _record(action: str, step: int, reason: str, settled_at: float = 1.0, **more: object) -> dict:
+    return {"id": f"a-{action}-{step}", "action": action, "source": reason.split(":")[0], "reason": reason,
+            "status": "applied", "step": step, "detail": "", "settled_at": settled_at, **more}  # fmt: skip
+
+
+def test_the_narration_speaks_of_this_run_only():
+    """Issue 34: Prometheus's data in .stack/ outlives a demo, and the hang demo announced the previous
+    run's RankscopeNonFiniteSteps. Alerts, pages and actions of another run_id are not narrated."""
+    from devstack.narrator import Narrator, PagerSink
+
+    lines: list[str] = []
+    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, run_id="demo-hang-2")
+    old = _alert("RankscopeNonFiniteSteps", "14a0c165-old", action="reduce_lr", rank="0")
+    narrator.on_alerts([old, _alert("RankscopeRankHung", "demo-hang-2", rank="1", phase="data_wait", action="restart")])
+    assert len(lines) == 1 and "RankscopeRankHung firing (run demo-hang-2, rank 1" in lines[0], lines
+    narrator.on_alerts([])  # both gone: only this run's is said to resolve
+    assert len(lines) == 2 and "alert RankscopeRankHung resolved (run demo-hang-2" in lines[1], lines
+    narrator.on_status(_status("14a0c165-old", [_record("reduce_lr", 371, "alert:RankscopeNonFiniteSteps")]))
+    assert len(lines) == 2, lines  # another run's control status (a trainer of an earlier launch) is not this run
+    mine = _record("pause", 640, "operator:demo", status="noop", detail="already paused")
+    narrator.on_status(_status("demo-hang-2", [mine]))
+    assert len(lines) == 3 and "pause from operator:demo: noop on all 2 ranks at step 640" in lines[2], lines
+
+    paged: list[str] = []
+    sink = PagerSink(paged.append, run_id="demo-hang-2")
+    try:
+        page = {"status": "firing", "labels": {"alertname": "RankscopeNonFiniteSteps", "run_id": "14a0c165-old"}}
+        sink.page({"version": "4", "status": "firing", "receiver": "pager", "alerts": [page]})
+        assert paged == []
+    finally:
+        sink.close()
+
+
+def test_without_a_run_id_the_narrator_takes_the_one_its_control_endpoint_serves():
+    from devstack.narrator import Narrator
+
+    lines: list[str] = []
+    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append)
+    narrator.on_status(_status("run-a", []))
+    narrator.on_alerts([_alert("RankscopeRankHung", "run-b", rank="1"), _alert("RankscopeRankHung", "run-a", rank="0")])
+    assert len(lines) == 1 and "run run-a, rank 0" in lines[0], lines

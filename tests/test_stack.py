@@ -224,3 +224,13 @@ def test_a_job_log_s_tail_keeps_the_first_fatal_error_that_scrolled_past_it(tmp_
     assert shown[-10:] == [str(n) for n in range(90, 100)]
     log.write_text("\n".join(map(str, range(100))))
     assert tail(log, lines=10).splitlines() == [str(n) for n in range(90, 100)]
+
+
+def test_each_launch_gets_a_run_id_of_its_own_unless_one_is_set():
+    """Issue 34: the narration and the report follow this launch's run_id; one launch must never take an
+    earlier demo's (Prometheus keeps its data in .stack/)."""
+    from devstack.stack import _parse_args
+
+    first = _parse_args(["--scenario", "none"])
+    assert first.run_id == f"demo-none-{int(first.started_at)}"
+    assert _parse_args(["--scenario", "none", "--set", "run.run_id=mine"]).run_id == "mine"
