@@ -4,6 +4,8 @@
         --config trainer/rankscope_trainer/configs/demo.yaml [--set k=v ...] [--resume auto]
 
 Also runs without torchrun (`python -m rankscope_trainer ...`) as a single rank.
+Without the trainer extra's packages (`pip install 'rankscope[trainer]'`) it ends
+at once with status 2 and one line naming the missing package and the extra.
 Bad input (config, manifest, checkpoint) and a start-up that cannot work (no
 control token, metrics port taken, checkpoint.dir not writable) end the process
 with status 2 and one line on stderr that names the problem. A rank that stops
@@ -20,6 +22,12 @@ import argparse
 import logging
 import os
 import sys
+
+try:  # first, before torch: without the trainer extra, one line naming the package and the extra
+    from rankscope_trainer import _extra  # noqa: F401
+except ImportError as exc:
+    print(f"trainer: error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 from rankscope import MetricsPortInUse
 from rankscope.control import ControlStartError

@@ -5,4 +5,5 @@ Imported first by the modules that need the extra, so a missing package is one l
 
 from rankscope._lazy import require
 
-require("trainer", "torchvision", "transformers", "PIL")
+# numpy first: checked before torch is imported, which warns at import when numpy is missing.
+require("trainer", "numpy", "torchvision", "transformers", "PIL")
