@@ -1,0 +1,203 @@
+"""The fault campaign: loop on against loop off, over the faults real runs meet (issue 31).
+
+    .venv/bin/python -m benchmarks.campaign                  # the full schedule, three runs: about 3 hours here
+    .venv/bin/python -m benchmarks.campaign --quick          # one fault of three kinds: about 15 minutes
+    .venv/bin/python -m benchmarks.campaign --quick --operator-delay 30 --json out.json
+
+Method (benchmarks/README.md, "The fault campaign"): a calibration run measures the step time; the seeded
+schedule places each fault after the previous one's effect is over; then three runs of the same length, one
+after the other on this machine: fault-free (the yardstick), loop on (the shipped rules and routes, every
+action they ask for), loop off (the same rules with every `*_action` emptied, and a scripted operator who
+answers each page after `--operator-delay` seconds with the runbook's action). Exit status 1 when a check
+fails: a fault not named by its alert (with its rank), an action the loop asked for not applied, a false
+alarm, goodput from the ledger and from the ground truth more than 2 % of wall time apart, anything lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.timing import machine_line
+from devstack.jobs import TrainerJob
+from devstack.ports import free_port, local_ports
+
+from .arm import ARMS, COMMON_SETTINGS, ArmRecord, run_arm
+from .operator import runbook_actions
+from .results import GOODPUT_TOLERANCE, ArmSummary, summarise, target_loss
+from .schedule import KINDS, QUICK_KINDS, Fault, build_schedule
+
+#: Steps before the first fault: start-up, the first checkpoints, the first validations.
+WARMUP_STEPS = 60
+#: Steps after the last fault's span, so the run ends on training, not on an incident.
+TAIL_STEPS = 60
+CALIBRATION_STEPS = 60
+#: The memory fault: the alert's line this far above the machine's use at the start, the balloon twice as far.
+MEMORY_MARGIN = 1 << 30
+
+
+def _calibrate(workdir: Path, settings: tuple[str, ...]) -> float:
+    """The median step time of a short plain run of the same trainer on this machine (no stack)."""
+    out = workdir / "calibration"
+    out.mkdir(parents=True)
+    ports = local_ports(2)
+    plain = [*COMMON_SETTINGS, "control.endpoint=false", f"run.max_steps={CALIBRATION_STEPS}", *settings]
+    job = TrainerJob(out, free_port(), ports.metrics, plain)
+    try:
+        code = job.wait_exit(timeout=600)
+    finally:
+        job.close()
+    if code != 0:
+        raise RuntimeError(f"the calibration run failed ({code})\n{job.tail()}")
+    train = [r for r in job.records("train")]
+    gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:], strict=False) if b["step"] == a["step"] + 1]
+    return statistics.median(gaps[len(gaps) // 3 :])  # past the first steps' warm-up
+
+
+def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def table(summaries: list[ArmSummary], schedule: list[Fault], target: float | None, operator_delay: float) -> str:
+    """The campaign's table, for a terminal (and benchmarks/README.md)."""
+    ff = next((s for s in summaries if s.name == "fault-free"), None)
+    lines = [
+        f"target validation loss {target:.4f} (the fault-free run's at 90 % of its steps)" if target else "",
+        f"operator delay (loop off) {operator_delay:.0f} s",
+        "",
+        f"{'arm':<11} {'goodput':>8} {'(truth)':>8} {'to target':>10} {'final val':>10} {'vs free':>8} "
+        f"{'false alarms':>12}",
+    ]
+    for s in summaries:
+        versus = (s.final_val_loss / ff.final_val_loss - 1) if ff and s.final_val_loss and ff.final_val_loss else None
+        lines.append(
+            f"{s.name:<11} {_fmt(s.goodput_ledger, '.1%'):>8} {_fmt(s.goodput_truth, '.1%'):>8} "
+            f"{_fmt(s.seconds_to_target, '.0f', ' s'):>10} {_fmt(s.final_val_loss, '.4f'):>10} "
+            f"{_fmt(versus, '+.1%'):>8} {len(s.false_alarms):>12}"
+        )
+    for s in summaries:
+        if not s.faults:
+            continue
+        lines += ["", f"loop {s.name}: per fault",
+                  f"  {'fault':<28} {'alert (rank)':<30} {'detect':>7} {'action -> outcome':<26} {'act':>6} "
+                  f"{'cost':>7} {'redone':>6}"]  # fmt: skip
+        for f in s.faults:
+            named = f"{f.alert} ({f.alert_rank})" if f.alert else "none"
+            acted = f"{f.action} -> {f.outcome}" if f.action else "-"
+            lines.append(
+                f"  {f'{f.kind} @ {f.at_step}':<28} {named:<30} {_fmt(f.detect_seconds, '.1f', ' s'):>7} "
+                f"{acted:<26} {_fmt(f.action_seconds, '.1f', ' s'):>6} {_fmt(f.cost_seconds, '.0f', ' s'):>7} "
+                f"{f.steps_retrained:>6}"
+            )
+    for s in summaries:
+        for alarm in s.false_alarms:
+            lines.append(f"false alarm ({s.name}): {alarm}")
+        for item in s.lost:
+            lines.append(f"lost ({s.name}): {item}")
+    return "\n".join(lines)
+
+
+def checks(summaries: list[ArmSummary]) -> list[str]:
+    """What fails the campaign (see the module docstring)."""
+    failed = []
+    runbook = runbook_actions()
+    for s in summaries:
+        failed += [f"{s.name}: false alarm {a}" for a in s.false_alarms]
+        failed += [f"{s.name}: lost: {item}" for item in s.lost]
+        if s.goodput_ledger is None:
+            failed.append(f"{s.name}: no goodput ledger")
+        elif abs(s.goodput_ledger - s.goodput_truth) > GOODPUT_TOLERANCE:
+            failed.append(f"{s.name}: goodput ledger {s.goodput_ledger:.1%} vs truth {s.goodput_truth:.1%}")
+        for f in s.faults:
+            failed += [f"{s.name}: {f.kind} @ {f.at_step}: {p}" for p in f.problems]
+            wanted = runbook.get(f.alert or "", "")
+            if s.name == "on" and f.alert and wanted and f.outcome != "applied":
+                failed.append(f"{s.name}: {f.kind} @ {f.at_step}: {wanted} not applied (got {f.action or 'nothing'} "
+                              f"{f.outcome})")  # fmt: skip
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.campaign", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"one fault of three kinds ({', '.join(QUICK_KINDS)})")
+    parser.add_argument("--operator-delay", type=float, default=300.0,
+                        help="seconds the loop-off operator takes to answer a page (default 300: short for a "
+                             "person on call)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=31, help="the schedule's seed (default 31)")
+    parser.add_argument(
+        "--faults", default="", help=f"comma-separated kinds to play instead (of {', '.join(k.name for k in KINDS)})"
+    )
+    parser.add_argument("--arms", default="fault-free,on,off", help="which runs, in order (default fault-free,on,off)")
+    parser.add_argument("--json", type=Path, help="write the table's figures and the raw records here")
+    parser.add_argument("--workdir", type=Path, help="keep every run's files here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if args.operator_delay < 0:
+        parser.error(f"--operator-delay must be >= 0 seconds, got {args.operator_delay}")
+    arms = [name.strip() for name in args.arms.split(",") if name.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        parser.error(f"--arms: unknown arm(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(ARMS)}")
+    kinds = tuple(k for k in args.faults.split(",") if k) or (
+        QUICK_KINDS if args.quick else tuple(k.name for k in KINDS)
+    )
+
+    with tempfile.TemporaryDirectory(prefix="rankscope-campaign-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        print(machine_line(), flush=True)
+        step_seconds = _calibrate(workdir, ())
+        # The host-memory line: the shipped 85 % says nothing on a mostly idle machine, so every arm's rules draw
+        # it MEMORY_MARGIN above what the machine uses now, and the balloon grows twice that (stated in the table).
+        memory_line = round(psutil.virtual_memory().percent / 100 + MEMORY_MARGIN / psutil.virtual_memory().total, 3)
+        extra_rules = (f"host_memory_ratio={memory_line}",)
+        print(f"campaign: calibration: {step_seconds * 1000:.0f} ms per step", flush=True)
+        try:
+            balloon = {"bytes": 2 * MEMORY_MARGIN, "step_bytes": MEMORY_MARGIN // 20}
+            schedule = build_schedule(kinds, step_seconds=step_seconds, operator_delay=args.operator_delay,
+                                      seed=args.seed, warmup_steps=WARMUP_STEPS, memory=balloon)  # fmt: skip
+        except ValueError as exc:
+            parser.error(str(exc))
+        last = schedule[-1]
+        end = last.at_step + math.ceil(last.kind.span_seconds(args.operator_delay, step_seconds) / step_seconds)
+        max_steps = math.ceil((max(end, last.until_step) + TAIL_STEPS) / 20) * 20  # a validation at the last step
+        print(
+            f"campaign: host memory line {memory_line:.1%}; {max_steps} steps; "
+            + "; ".join(f.describe() for f in schedule),
+            flush=True,
+        )
+        records: dict[str, ArmRecord] = {}
+        for name in arms:
+            began = time.time()
+            records[name] = run_arm(ARMS[name], schedule, workdir=workdir / name, max_steps=max_steps,
+                                    operator_delay=args.operator_delay, extra_rules=extra_rules)  # fmt: skip
+            print(f"campaign: {name} done in {time.time() - began:.0f} s", flush=True)
+        fault_free = records.get("fault-free")
+        target = target_loss(fault_free)[0] if fault_free else None
+        summaries = [summarise(records[n], schedule, fault_free, target) for n in arms]
+        print(table(summaries, schedule, target, args.operator_delay))
+        failed = checks(summaries)
+        if args.json:
+            payload: dict[str, Any] = {
+                "machine": machine_line(), "step_seconds": step_seconds, "max_steps": max_steps,
+                "operator_delay": args.operator_delay, "seed": args.seed, "target_loss": target,
+                "schedule": [{"id": f.id, "kind": f.kind.name, "at_step": f.at_step, "rank": f.rank,
+                              "until_step": f.until_step} for f in schedule],
+                "arms": [s.to_json() for s in summaries], "failed": failed,
+                "raw": {n: r.to_json() for n, r in records.items()},
+            }  # fmt: skip
+            args.json.write_text(json.dumps(payload, indent=1, default=str))
+    for line in failed:
+        print(f"FAILED {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The loop-off arm's on-call person: answers each page after a delay with the action the runbook says.
+
+The runbook's action for an alert is the one the shipped rule pack would have put in its `action` label
+(rankscope.mixin.config: the default of the `*_action` tunable that names the alert); an alert whose tunable
+defaults to "" (or that has none) is one the runbook says to watch, and gets nothing. A page that Alertmanager
+has already resolved by the time the operator gets to it gets nothing either: a person who saw the
+"resolved" notice does not act on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from rankscope.mixin.config import ACTION_TUNABLES, Tunables
+
+from benchmarks.latency import Control
+from devstack.webhook import WebhookSink
+
+__all__ = ["Operator", "OperatorAction", "runbook_actions"]
+
+
+def runbook_actions() -> dict[str, str]:
+    """alertname -> the action the runbook says (the shipped default of its `*_action` tunable)."""
+    defaults = Tunables()
+    found = {}
+    for tunable, choice in ACTION_TUNABLES.items():
+        action = getattr(defaults, tunable)
+        for alert in choice.alerts:
+            if action:
+                found[alert] = action
+    return found
+
+
+@dataclass
+class OperatorAction:
+    """One page the operator answered (or chose not to)."""
+
+    alertname: str
+    rank: str
+    paged_at: float
+    answered_at: float
+    action: str
+    """The action posted ("" if the runbook says to watch, or the page had resolved)."""
+    why: str
+
+
+class Operator:
+    """Reads the pager's deliveries on a thread of its own; acts on rank 0's control endpoint."""
+
+    def __init__(self, pager: WebhookSink, control: Control, delay: float, run_id: str) -> None:
+        self.pager, self.control, self.delay, self.run_id = pager, control, delay, run_id
+        self.runbook = runbook_actions()
+        self.answered: list[OperatorAction] = []
+        self._seen = 0
+        self._due: dict[str, tuple[float, dict]] = {}  # fingerprint@startsAt -> (paged at, alert)
+        self._resolved: set[str] = set()
+        self._answered: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="campaign-operator", daemon=True)
+
+    def start(self) -> Operator:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            fresh = self.pager.wait_for_new(self._seen, timeout=0.5)
+            self._seen += len(fresh)
+            for delivery in fresh:
+                for alert in delivery.body.get("alerts", []):
+                    labels = alert.get("labels", {})
+                    if labels.get("run_id") != self.run_id:
+                        continue
+                    key = f"{alert.get('fingerprint')}@{alert.get('startsAt')}"
+                    if alert.get("status") == "resolved":
+                        self._resolved.add(key)
+                    elif key not in self._due and key not in self._answered:
+                        self._due[key] = (delivery.received_at, alert)
+            now = time.time()
+            for key, (paged_at, alert) in list(self._due.items()):
+                if now >= paged_at + self.delay:
+                    del self._due[key]
+                    self._answered.add(key)
+                    self._answer(key, paged_at, alert)
+
+    def _answer(self, key: str, paged_at: float, alert: dict) -> None:
+        labels = alert.get("labels", {})
+        name = labels.get("alertname", "?")
+        action = self.runbook.get(name, "")
+        if key in self._resolved:
+            action, why = "", "resolved before the operator got to it"
+        elif not action:
+            why = "the runbook says to watch"
+        else:
+            why = "answered"
+            try:
+                self.control.act(action, f"operator:{name}")
+            except OSError as exc:  # the job may be between incarnations: the page is answered all the same
+                why = f"the endpoint did not answer ({exc})"
+        self.answered.append(OperatorAction(name, labels.get("rank", ""), paged_at, time.time(), action, why))

@@ -1,0 +1,237 @@
+"""From the arms' raw records to the campaign's table: goodput two ways, time to target, per-fault detection
+and cost, false alarms, nothing lost.
+
+Ground truth, from outside the library (the run log's per-step records and the runner's clock):
+
+- a step's time is from the record before it (the previous step's end, or a validation's or checkpoint's end,
+  in the same incarnation) to its own end; the first step of an incarnation counts one median step;
+- the steps that count are each step's last record (a restart, a resume or a rollback trains a step again,
+  and only its last training is in the final model);
+- goodput is their time over the job's wall time: from the first rank 0 process's start (the OS's clock) to
+  the last one's exit (the runner's clock).
+
+The ledger's goodput is (training - lost) / (every bucket but lost), as rankscope.goodput keeps it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from .arm import ArmRecord
+from .schedule import Fault
+
+__all__ = ["ArmSummary", "FaultOutcome", "summarise", "target_loss"]
+
+#: Goodput, ledger against ground truth, may differ by this share of the wall time.
+GOODPUT_TOLERANCE = 0.02
+#: An alert that starts this long after its fault's window still belongs to it (the `for` and an evaluation).
+GRACE_SECONDS = 5.0
+
+
+@dataclass
+class FaultOutcome:
+    id: str
+    kind: str
+    at_step: int
+    rank: int
+    injected_at: float | None
+    alert: str | None
+    """The alert that named it (None: none did)."""
+    alert_rank: str
+    detect_seconds: float | None
+    action: str
+    outcome: str
+    action_seconds: float | None
+    """From the injection to the action applied on every rank."""
+    cost_seconds: float | None
+    """Its window's wall time over the fault-free run's for the same steps."""
+    steps_retrained: int
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ArmSummary:
+    name: str
+    wall_seconds: float
+    goodput_truth: float
+    goodput_ledger: float | None
+    seconds_to_target: float | None
+    final_val_loss: float | None
+    final_val_step: int | None
+    faults: list[FaultOutcome]
+    false_alarms: list[str]
+    lost: list[str]
+    """What was lost: steps missing from the log, checkpoints that do not load, a job that did not finish."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "faults": [f.__dict__ for f in self.faults]}
+
+
+def _incarnations(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The run log cut at each `start` record (one list per launch or restart), each in time order."""
+    parts: list[list[dict[str, Any]]] = []
+    for record in records:
+        if record.get("type") == "start" or not parts:
+            parts.append([])
+        parts[-1].append(record)
+    return [sorted(part, key=lambda r: r["time"]) for part in parts]
+
+
+def step_times(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """step -> (its last training's end, its duration), by the ground truth's rules (module docstring)."""
+    durations: dict[int, tuple[float, float]] = {}
+    for part in _incarnations(records):
+        previous: float | None = None
+        first: int | None = None
+        own: list[float] = []
+        for record in part:
+            if record.get("type") == "train":
+                step = int(record["step"])
+                if previous is None:
+                    first = step
+                else:
+                    own.append(record["time"] - previous)
+                durations[step] = (record["time"], record["time"] - previous if previous is not None else 0.0)
+            if record.get("type") in ("train", "val", "checkpoint", "resume", "action"):
+                previous = record["time"]
+        if first is not None and durations[first][1] == 0.0:
+            # Its start-up is not training: it counts as a typical step of its own incarnation.
+            durations[first] = (durations[first][0], statistics.median(own) if own else 0.0)
+    return durations
+
+
+def target_loss(fault_free: ArmRecord) -> tuple[float, int]:
+    """The fault-free run's validation loss at 90 % of its steps (its last validation at or before), and
+    that validation's step."""
+    vals = [r for r in fault_free.records if r.get("type") == "val" and r.get("loss") is not None]
+    cut = 0.9 * fault_free.max_steps
+    before = [r for r in vals if r["step"] <= cut] or vals[:1]
+    if not before:
+        raise RuntimeError("the fault-free run logged no validation: no target loss")
+    chosen = before[-1]
+    return float(chosen["loss"]), int(chosen["step"])
+
+
+def _final_val(arm: ArmRecord) -> tuple[float | None, int | None]:
+    vals = [r for r in arm.records if r.get("type") == "val" and r.get("loss") is not None]
+    if not vals:
+        return None, None
+    last = max(vals, key=lambda r: (r["step"], r["time"]))
+    return float(last["loss"]), int(last["step"])
+
+
+def _injected_at(fault: Fault, arm: ArmRecord) -> float | None:
+    """When the fault began: the trainer's `fault` record, or the runner's own clock for the faults it plays."""
+    for event in arm.runner_events:
+        if event.get("id") == fault.id:
+            return float(event["time"])
+    for record in arm.records:
+        if record.get("type") == "fault" and record.get("id") == fault.id:
+            return float(record["time"])
+    for record in arm.records:  # a trainer that names faults by kind and step only
+        if record.get("type") == "fault" and record.get("step") == fault.at_step:
+            return float(record["time"])
+    return None
+
+
+def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | None, target: float | None) -> ArmSummary:
+    faults = schedule if arm.name != "fault-free" else []
+    times = step_times(arm.records)
+    ff_times = step_times(fault_free.records) if fault_free is not None else {}
+    wall = arm.ended_at - arm.started_at
+    productive = sum(duration for _, duration in times.values())
+    totals = arm.ledger.get("totals", {})
+    ledger_wall = sum(v for k, v in totals.items() if k != "lost")
+    ledger = (totals.get("training", 0.0) - totals.get("lost", 0.0)) / ledger_wall if ledger_wall else None
+
+    injected = {fault.id: _injected_at(fault, arm) for fault in faults}
+    windows = []
+    for index, fault in enumerate(faults):
+        end_step = faults[index + 1].at_step if index + 1 < len(faults) else arm.max_steps
+        start = injected[fault.id]
+        next_start = injected[faults[index + 1].id] if index + 1 < len(faults) else arm.ended_at
+        windows.append((fault, start, next_start or arm.ended_at, end_step))
+
+    outcomes = [_outcome(arm, fault, start, end, end_step, times, ff_times) for fault, start, end, end_step in windows]
+    false_alarms = _false_alarms(arm, windows)
+    val_loss, val_step = _final_val(arm)
+    to_target = None
+    if target is not None:
+        reached = sorted(r["time"] for r in arm.records
+                          if r.get("type") == "val" and r.get("loss") is not None and r["loss"] <= target)  # fmt: skip
+        to_target = reached[0] - arm.started_at if reached else None
+    return ArmSummary(
+        name=arm.name, wall_seconds=wall, goodput_truth=productive / wall if wall > 0 else 0.0,
+        goodput_ledger=ledger, seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
+        faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times),
+    )  # fmt: skip
+
+
+def _outcome(
+    arm: ArmRecord, fault: Fault, start: float | None, end: float, end_step: int,
+    times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]],
+) -> FaultOutcome:  # fmt: skip
+    kind = fault.kind
+    problems = []
+    alert = None
+    if start is None:
+        problems.append("no record of its injection")
+    elif kind.alert is not None:
+        alert = next((a for a in arm.alerts if a["alertname"] == kind.alert and start - 1 <= a["start"] <= end
+                      and (not kind.names_rank or a["rank"] == str(fault.rank))), None)  # fmt: skip
+        if alert is None:
+            named = [f"{a['alertname']}{{rank={a['rank']}}}" for a in arm.alerts
+                     if a["alertname"] == kind.alert and start - 1 <= a["start"] <= end]  # fmt: skip
+            problems.append(f"not named by {kind.alert}" + (f" with rank {fault.rank} (got {named})" if named else ""))
+    action, outcome, action_at = "", "", None
+    if alert is not None and start is not None:
+        acted = [r for r in arm.records if r.get("type") == "action" and r.get("time") and alert["start"] - 1
+                 <= r["time"] <= end + GRACE_SECONDS and kind.alert in (r.get("reason") or "")]  # fmt: skip
+        if acted:
+            first = min(acted, key=lambda r: r["time"])
+            action, outcome, action_at = first.get("action") or "", first.get("result") or "", first["time"]
+    retrained = sum(1 for r in arm.records if r.get("type") == "train" and fault.at_step <= r["step"] < end_step)
+    retrained -= len(
+        {r["step"] for r in arm.records if r.get("type") == "train" and fault.at_step <= r["step"] < end_step}
+    )
+    cost = None
+    a, b = fault.at_step - 1, end_step - 1
+    if a in times and b in times and a in ff_times and b in ff_times:
+        cost = (times[b][0] - times[a][0]) - (ff_times[b][0] - ff_times[a][0])
+    return FaultOutcome(
+        id=fault.id, kind=kind.name, at_step=fault.at_step, rank=fault.rank, injected_at=start,
+        alert=alert["alertname"] if alert else None, alert_rank=alert["rank"] if alert else "",
+        detect_seconds=alert["start"] - start if alert and start is not None else None,
+        action=action, outcome=outcome, action_seconds=action_at - start if action_at and start else None,
+        cost_seconds=cost, steps_retrained=retrained, problems=problems,
+    )  # fmt: skip
+
+
+def _false_alarms(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]]) -> list[str]:
+    """Alerts no fault explains: outside every fault's window, or of a name its fault does not explain."""
+    found = []
+    for alert in arm.alerts:
+        explained = any(
+            start is not None and start - 1 <= alert["start"] <= end + GRACE_SECONDS
+            and alert["alertname"] in (fault.kind.alert, *fault.kind.also)
+            for fault, start, end, _ in windows
+        )  # fmt: skip
+        if not explained:
+            at = alert["start"] - arm.started_at
+            found.append(f"{alert['alertname']}{{rank={alert['rank']}}} at {at:.0f} s")
+    return found
+
+
+def _lost(arm: ArmRecord, times: dict[int, tuple[float, float]]) -> list[str]:
+    lost = []
+    missing = [step for step in range(1, arm.max_steps + 1) if step not in times]
+    if missing:
+        lost.append(f"{len(missing)} step(s) missing from the run log (first {missing[:5]})")
+    lost += [f"checkpoint does not load: {u}" for u in arm.unreadable_checkpoints]
+    if not arm.checkpoints:
+        lost.append("no checkpoint left at the end")
+    if not arm.exit_codes or arm.exit_codes[-1] != 0:
+        lost.append(f"the job did not end cleanly (exit codes {arm.exit_codes})")
+    return lost

@@ -1,0 +1,146 @@
+"""The campaign's faults: what each one is, which alert must name it, and when it is injected.
+
+A schedule is a list of :class:`Fault` in step order. Steps, not seconds: every arm injects the same fault at
+the same step, whatever its own pace. The steps are laid out from a measured step time (the fault-free run's)
+so that each fault's effect is over before the next one starts: each kind says how long it needs
+(:meth:`Kind.span_seconds`), in the slower of the two arms (the operator's delay included).
+
+Faults are injected by the trainer (`faults.schedule` entries, once per job: trainer/rankscope_trainer/faults.py)
+or by the runner itself (`kill -9` of a rank, a preemption: SIGTERM to the job, then the job started again).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["KINDS", "QUICK_KINDS", "Fault", "Kind", "build_schedule"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of fault a real run meets."""
+
+    name: str
+    """Short name, used in tables and fault ids."""
+    what: str
+    """One line for the table."""
+    alert: str | None
+    """The alert that must name it (None: none may fire, the fault is one the loop must not mistake)."""
+    names_rank: bool
+    """Whether that alert carries the faulty rank's `rank` label (a run-level alert does not)."""
+    also: tuple[str, ...] = ()
+    """Other alerts the fault explains (not false alarms while it lasts), e.g. a hang's stalled run."""
+    effect_seconds: float = 30.0
+    """How long its effect lasts once it is acted on (the loop's action, the restart, the recovery)."""
+    detect_seconds: float = 15.0
+    """How long from the injection to the alert at 1 s intervals with the shipped rules (`for` included)."""
+    needs_operator: bool = True
+    """Whether it lasts until somebody acts (then the loop-off arm waits the operator's delay)."""
+    restarts: int = 0
+    """torchrun restarts it spends (a hang's restart, a killed rank)."""
+    by_runner: bool = False
+    """Injected by the runner (a signal), not by the trainer's fault switches."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """The trainer's `faults.schedule` entry, less `at_step` (and `rank`, set per fault)."""
+    lasts_steps: int = 0
+    """For faults with an end (`until_step`): how many steps they last."""
+
+    def span_seconds(self, operator_delay: float, step_seconds: float) -> float:
+        """Time to leave before the next fault: detection, the slower arm's answer, the effect, and margin."""
+        answer = operator_delay if self.needs_operator and self.alert else 0.0
+        lasting = self.lasts_steps * step_seconds
+        return max(lasting, self.detect_seconds + answer) + self.effect_seconds + 20.0
+
+
+#: The faults of a full campaign, in the order they are played. `for` durations are the shipped ones
+#: (rankscope.mixin.config.Tunables): a straggler must outlast the imbalance alert's 10 minutes.
+KINDS: tuple[Kind, ...] = (
+    Kind("nonfinite", "3 steps of NaN loss on rank 0", "RankscopeNonFiniteSteps", False,
+         trainer={"kind": "nonfinite", "steps": 3}, detect_seconds=5, needs_operator=False),
+    Kind("slow_checkpoint", "one checkpoint 15 s slower", None, False,
+         trainer={"kind": "slow_checkpoint", "seconds": 15.0}, detect_seconds=0, needs_operator=False,
+         effect_seconds=30),
+    Kind("hang_data", "rank 1's data loader never delivers", "RankscopeRankHung", True,
+         also=("RankscopeRunStalled",), trainer={"kind": "hang", "hang_kind": "data"}, detect_seconds=12,
+         restarts=1, effect_seconds=60),
+    Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
+         trainer={"kind": "poison", "batches": 400}, detect_seconds=150, effect_seconds=60),
+    Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", True,
+         trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
+    Kind("straggler", "rank 1 slowed by 2x, then normal", "RankscopeRankImbalance", True,
+         trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
+         effect_seconds=30),
+    Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
+         also=("RankscopeRunStalled",), trainer={"kind": "hang", "hang_kind": "collective"}, detect_seconds=12,
+         restarts=1, effect_seconds=60),
+    Kind("kill9", "rank 1 killed with SIGKILL", None, False, by_runner=True, detect_seconds=0,
+         needs_operator=False, restarts=1, effect_seconds=60),
+    Kind("preempt", "SIGTERM to the job, then started again", None, False, by_runner=True, detect_seconds=0,
+         needs_operator=False, effect_seconds=60),
+)  # fmt: skip
+#: `--quick`: one fault of three kinds (a training fault, a hang, one the loop must not mistake for a hang).
+QUICK_KINDS = ("nonfinite", "hang_data", "slow_checkpoint")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of the schedule."""
+
+    id: str
+    kind: Kind
+    at_step: int
+    rank: int
+    until_step: int = 0
+
+    def trainer_entry(self) -> dict[str, Any] | None:
+        """The trainer's `faults.schedule` entry (None for a fault the runner injects)."""
+        if self.kind.by_runner:
+            return None
+        entry = dict(self.kind.trainer)
+        if "hang_kind" in entry:
+            entry["kind"], entry["hang_kind"] = "hang", entry["hang_kind"]
+        entry["at_step" if entry["kind"] != "poison" else "at_batch"] = self.at_step
+        if entry["kind"] not in ("diverge", "slow_checkpoint", "poison"):
+            entry["rank"] = self.rank
+        if self.until_step:
+            entry["until_step"] = self.until_step
+        return entry
+
+    def describe(self) -> str:
+        return f"{self.kind.name} @ step {self.at_step}" + (f" (rank {self.rank})" if self.kind.names_rank else "")
+
+
+def build_schedule(
+    kinds: tuple[str, ...], *, step_seconds: float, operator_delay: float, seed: int, warmup_steps: int,
+    memory: dict[str, Any] | None = None, straggler_seconds: float | None = None,
+) -> list[Fault]:  # fmt: skip
+    """The faults of `kinds`, in that order, each placed after the previous one's span; a seeded jitter of up
+    to a tenth of a span moves each start, so faults do not sit on checkpoint or log boundaries by design."""
+    by_name = {kind.name: kind for kind in KINDS}
+    unknown = [name for name in kinds if name not in by_name]
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    step = warmup_steps
+    for name in kinds:
+        kind = by_name[name]
+        if kind.name == "memory" and memory:
+            kind = Kind(**{**kind.__dict__, "trainer": {**kind.trainer, **memory}})
+        if kind.name == "straggler":
+            # Slowed long enough for the shipped 10-minute `for`, then normal again.
+            lasting = math.ceil((kind.detect_seconds + 60) / step_seconds / 2)
+            extra = straggler_seconds if straggler_seconds is not None else step_seconds
+            kind = Kind(**{**kind.__dict__, "lasts_steps": lasting, "trainer": {**kind.trainer, "seconds": extra}})
+        span = kind.span_seconds(operator_delay, step_seconds) / step_seconds
+        at = step + rng.randint(0, max(1, int(span / 10)))
+        until = at + kind.lasts_steps if kind.lasts_steps else 0
+        if kind.name == "memory":
+            until = at + math.ceil((kind.detect_seconds + operator_delay + 30) / step_seconds)
+        faults.append(Fault(f"{name}-{len(faults) + 1}", kind, at, rank=0 if name == "nonfinite" else 1,
+                            until_step=until))  # fmt: skip
+        step = at + math.ceil(span)
+    return faults

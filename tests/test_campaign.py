@@ -1,0 +1,132 @@
+"""The fault campaign's analysis (benchmarks.campaign): its ground truth, its attribution of alerts to faults
+and its scripted operator, on run logs and pages written here in the shapes the trainer and Alertmanager
+produce. The campaign itself (real stack, real faults) runs as `python -m benchmarks.campaign --quick`."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from benchmarks.campaign.arm import ArmRecord
+from benchmarks.campaign.operator import Operator, runbook_actions
+from benchmarks.campaign.results import step_times, summarise, target_loss
+from benchmarks.campaign.schedule import KINDS, QUICK_KINDS, build_schedule
+from benchmarks.latency import Control
+from devstack.webhook import WebhookSink
+
+
+def _train(step: int, at: float, loss: float = 1.0) -> dict:
+    return {"type": "train", "step": step, "loss": loss, "time": at}
+
+
+def _arm(name: str, records: list[dict], *, alerts: list[dict] | None = None, ended: float = 100.0,
+         max_steps: int = 40, runner_events: list[dict] | None = None) -> ArmRecord:  # fmt: skip
+    return ArmRecord(
+        name=name, run_id=f"r-{name}", workdir="", max_steps=max_steps, started_at=0.0, ended_at=ended,
+        exit_codes=[0], records=records, pages=[], alerts=alerts or [], operator=[],
+        runner_events=runner_events or [], ledger={}, checkpoints=["step_00000040-abcdef01.pt"],
+    )  # fmt: skip
+
+
+def test_the_ground_truth_counts_each_step_once_at_its_last_training_and_a_first_step_as_a_typical_one() -> None:
+    # Incarnation 1: steps 1-30, one a second from t=10; it dies, and incarnation 2 resumes from step 20 at t=60.
+    first = [{"type": "start", "time": 9.0}, *[_train(s, 10.0 + s) for s in range(1, 31)]]
+    second = [{"type": "start", "time": 55.0}, {"type": "resume", "step": 20, "time": 59.0},
+              *[_train(s, 60.0 + (s - 20) * 2) for s in range(21, 41)]]  # fmt: skip
+    times = step_times(first + second)
+    assert sorted(times) == list(range(1, 41))
+    assert times[25] == (70.0, 2.0)  # the second training of step 25 is the one that counts
+    assert times[21] == (62.0, 3.0)  # from the resume record (t=59) to its end
+    assert times[1] == (11.0, 1.0)  # the first step of the job: a typical step of its incarnation, not its start-up
+    assert sum(d for _, d in times.values()) == pytest.approx(20 * 1.0 + 3.0 + 19 * 2.0)
+
+
+def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_false_alarm() -> None:
+    schedule = build_schedule(("nonfinite", "hang_data"), step_seconds=1.0, operator_delay=0, seed=1,
+                              warmup_steps=5)  # fmt: skip
+    nonfinite, hang = schedule
+    records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, hang.at_step + 40)]]
+    records += [{"type": "fault", "id": nonfinite.id, "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
+                {"type": "fault", "id": hang.id, "step": hang.at_step, "time": hang.at_step - 0.5},
+                {"type": "action", "action": "reduce_lr", "result": "applied", "step": nonfinite.at_step + 4,
+                 "reason": "alert:RankscopeNonFiniteSteps", "time": nonfinite.at_step + 4.0}]  # fmt: skip
+    alerts = [
+        {"alertname": "RankscopeNonFiniteSteps", "rank": "", "start": nonfinite.at_step + 3.0, "end": 0.0},
+        {"alertname": "RankscopeRankHung", "rank": "0", "start": hang.at_step + 9.0, "end": hang.at_step + 20.0},
+        {"alertname": "RankscopeRunStalled", "rank": "", "start": hang.at_step + 12.0, "end": hang.at_step + 20.0},
+        {"alertname": "RankscopeSlowSteps", "rank": "1", "start": 2.0, "end": 4.0},
+    ]  # fmt: skip
+    arm = _arm("on", sorted(records, key=lambda r: r["time"]), alerts=alerts, ended=hang.at_step + 50.0,
+               max_steps=hang.at_step + 39)  # fmt: skip
+    summary = summarise(arm, schedule, None, None)
+    first, second = summary.faults
+    assert first.alert == "RankscopeNonFiniteSteps" and first.detect_seconds == pytest.approx(3.5)
+    assert (first.action, first.outcome, first.action_seconds) == ("reduce_lr", "applied", pytest.approx(4.5))
+    # The hang alert named rank 0, not the hung rank 1: the fault is not named.
+    assert second.alert is None and second.problems == ["not named by RankscopeRankHung with rank 1 (got "
+                                                         "['RankscopeRankHung{rank=0}'])"]  # fmt: skip
+    # The stalled run is the hang's (it explains it); the slow steps before any fault are a false alarm.
+    assert summary.false_alarms == ["RankscopeSlowSteps{rank=1} at 2 s"]
+
+
+def test_the_target_is_the_fault_free_runs_validation_loss_at_ninety_percent_of_its_steps() -> None:
+    vals = [{"type": "val", "step": s, "loss": 2.0 - s / 100, "time": float(s)} for s in (20, 40, 60, 80, 100)]
+    assert target_loss(_arm("fault-free", vals, max_steps=100)) == (pytest.approx(1.2), 80)
+
+
+def test_a_quick_schedule_plays_three_kinds_in_order_each_after_the_previous_ones_span() -> None:
+    schedule = build_schedule(QUICK_KINDS, step_seconds=0.1, operator_delay=300, seed=31, warmup_steps=60)
+    assert [f.kind.name for f in schedule] == list(QUICK_KINDS)
+    for before, after in zip(schedule, schedule[1:], strict=False):
+        gap_seconds = (after.at_step - before.at_step) * 0.1
+        assert gap_seconds >= before.kind.span_seconds(300, 0.1)
+    assert build_schedule(QUICK_KINDS, step_seconds=0.1, operator_delay=300, seed=31, warmup_steps=60) == schedule
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        build_schedule(("meteor",), step_seconds=0.1, operator_delay=0, seed=0, warmup_steps=0)
+    assert {k.name for k in KINDS} >= set(QUICK_KINDS)
+
+
+def test_the_runbook_is_the_shipped_rules_actions_and_watching_gets_nothing() -> None:
+    runbook = runbook_actions()
+    assert runbook["RankscopeNonFiniteSteps"] == "reduce_lr"
+    assert runbook["RankscopeRankHung"] == "restart"
+    assert "RankscopeSlowSteps" not in runbook  # the runbook says to watch
+
+
+def _page(pager: WebhookSink, alertname: str, status: str, run_id: str = "r-off") -> None:
+    body = {"version": "4", "status": status, "alerts": [
+        {"status": status, "labels": {"alertname": alertname, "run_id": run_id, "rank": "1"},
+         "fingerprint": f"fp-{alertname}", "startsAt": "2026-12-04T05:00:00Z"}]}  # fmt: skip
+    request = urllib.request.Request(pager.url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    urllib.request.urlopen(request, timeout=5).close()
+
+
+def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the_meantime() -> None:
+    pager, endpoint = WebhookSink(), WebhookSink()  # endpoint: where rank 0's control endpoint would be
+    control = Control(endpoint.port, "token")
+    operator = Operator(pager, control, delay=1.0, run_id="r-off").start()
+    try:
+        paged = time.time()
+        _page(pager, "RankscopeRankHung", "firing")
+        _page(pager, "RankscopeNonFiniteSteps", "firing")
+        _page(pager, "RankscopeNonFiniteSteps", "resolved")
+        _page(pager, "RankscopeRankHung", "firing", run_id="another-run")
+        delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
+        assert delivery.received_at - paged >= 1.0
+        assert delivery.body == {"action": "restart", "reason": "operator:RankscopeRankHung"}
+        assert delivery.authorization == "Bearer token"
+        deadline = time.monotonic() + 20
+        while len(operator.answered) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        answered = {a.alertname: (a.action, a.why) for a in operator.answered}
+        assert answered == {"RankscopeRankHung": ("restart", "answered"),
+                            "RankscopeNonFiniteSteps": ("", "resolved before the operator got to it")}  # fmt: skip
+        assert len([d for d in endpoint.received() if d.path == "/v1/actions"]) == 1
+    finally:
+        operator.close()
+        pager.close()
+        endpoint.close()
