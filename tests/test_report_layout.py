@@ -131,3 +131,35 @@ def test_the_resources_figure_with_the_hosts_load_has_no_overlapping_labels() ->
                                   process_memory=memory, host_load=load, step_time=steps,
                                   samples_rate=Series({}, TIMES, np.full(len(TIMES), 90.0)))  # fmt: skip
     assert_no_overlaps(plots.resources_figure(inputs, AXIS, plots.marks_from(demo_incidents(), 1.0)))
+
+
+def close_actions() -> Incidents:
+    """What a user trying rankscope-ctl does: six actions within 10 s, a refused restart among them."""
+    demo = demo_incidents()
+    tried = [
+        ("checkpoint", "applied", 400.0),
+        ("restart", "refused_unavailable", 401.5),
+        ("reduce_lr", "applied", 403.0),
+        ("rollback", "applied", 405.0),
+        ("reduce_lr", "refused_cooldown", 407.0),
+        ("rollback", "applied", 409.5),
+    ]
+    actions = [ActionEvent(name, "operator", result, T0 + at, step=int(at)) for name, result, at in tried]
+    return Incidents(demo.episodes, demo.actions + actions, demo.checkpoints, demo.paused, demo.nonfinite)
+
+
+def test_the_incident_timeline_keeps_the_labels_of_several_close_actions_apart() -> None:
+    figure = plots.incidents_figure(close_actions(), AXIS, 1.0)
+    assert_no_overlaps(figure)
+    shown = [t.get_text() for t in texts(figure)]
+    for label in ("restart (refused_unavailable)", "checkpoint", "rollback", "reduce_lr (refused_cooldown)"):
+        assert label in shown, f"{label!r} is not on the timeline"
+
+
+def test_the_summary_and_training_figures_keep_several_close_actions_apart() -> None:
+    incidents = close_actions()
+    compute = compute_per_rank(TIMES, 2)
+    assert_no_overlaps(
+        plots.summary_figure("run", training_inputs(), compute, incidents, AXIS, straggler(compute), 1.0)
+    )
+    assert_no_overlaps(plots.training_figure(training_inputs(), AXIS, plots.marks_from(incidents, 1.0)))

@@ -280,8 +280,8 @@ def test_the_incident_timeline_has_a_row_per_alert_and_joins_the_fault_to_its_ac
     figure = plots.incidents_figure(_incidents(), AXIS, STEP)
     axis = figure.axes[0]
     rows = [label.get_text() for label in axis.get_yticklabels()]
-    assert rows == ["RankscopeLossDiverging", "RankscopeRankImbalance (rank=3, node=n0)", "control actions",
-                    "checkpoints"]  # fmt: skip
+    assert rows == ["RankscopeLossDiverging", "RankscopeRankImbalance (rank=3, node=n0)", "checkpoints",
+                    "control actions"]  # fmt: skip
     bars = [(round(p.get_x()), round(p.get_width())) for p in axis.patches]
     assert (200, 10) in bars and (210, 55) in bars  # pending from the onset, firing to the last sample
     assert "14.0 s" in _texts(figure)  # onset at 200 s, applied at 214 s

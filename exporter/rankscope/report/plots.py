@@ -812,16 +812,22 @@ def _fmt_seconds(value: float) -> str:
 
 @_styled
 def incidents_figure(incidents: Incidents, axis_x: TimeAxis, interval: float = 0.0) -> Figure:
-    """A timeline: one row per alert (amber pending, red firing), then actions, checkpoints and pauses.
+    """A timeline: one row per alert (amber pending, red firing), then checkpoints, pauses and actions.
 
-    An arrow joins each alert's onset to the action it caused, labelled with the fault-to-action time.
+    An arrow joins each alert's onset to the action it caused, labelled with the fault-to-action time. The
+    actions' names stand on lanes under their row, each on the first where it runs over no other.
     """
     rows: list[str] = []
     for episode in incidents.episodes:
         if episode.title not in rows:
             rows.append(episode.title)
-    rows += ["control actions", "checkpoints"] + (["paused"] if incidents.paused else [])
-    figure = _figure(1.3 + 0.42 * len(rows))
+    rows += ["checkpoints"] + (["paused"] if incidents.paused else []) + ["control actions"]
+    labels = _action_labels(incidents, timing=False)
+    # The axes are narrower than the figure by the row names on the left.
+    inches = WIDTH - 0.8 - max(len(row) for row in rows) * 8 * 0.62 / 72
+    lanes = _lanes(labels, axis_x, inches)
+    extra = max(lanes, default=-1) + 1
+    figure = _figure(1.3 + 0.42 * len(rows) + 0.18 * extra)
     axis = figure.subplots()
     position = {title: i for i, title in enumerate(rows)}
     for episode in incidents.episodes:
@@ -834,17 +840,10 @@ def incidents_figure(incidents: Incidents, axis_x: TimeAxis, interval: float = 0
             axis.barh(y, max(end - episode.firing_at, interval, 0.5), left=axis_x.x(episode.firing_at), height=0.5,
                       color=FIRING)  # fmt: skip
     y_actions = position["control actions"]
-    for index, event in enumerate(incidents.actions):
-        color = ACTION_COLORS.get(event.action, "#555555")
-        applied = event.result == "applied"
-        axis.plot(axis_x.x(event.at), y_actions, marker="D" if applied else "X", ms=7, color=color,
-                  markeredgecolor="white" if applied else color, ls="none")  # fmt: skip
-        label = event.action if applied else f"{event.action} ({event.result})"
-        below = index % 2 == 0  # neighbours alternate below and above the row, so close labels stay apart
-        axis.annotate(label, (axis_x.x(event.at), y_actions), xytext=(0, -11 if below else 11),
-                      textcoords="offset points", ha="center", va="top" if below else "bottom", fontsize=7.5,
-                      color=color)  # fmt: skip
+    _draw_action_labels(axis, axis_x, labels, lanes, y_actions, white_edge=True)
+    for event in incidents.actions:
         if event.cause is not None and event.fault_to_action is not None:
+            color = ACTION_COLORS.get(event.action, "#555555")
             start = (axis_x.x(event.cause.onset), position[event.cause.title])
             axis.annotate("", xy=(axis_x.x(event.at), y_actions), xytext=start,
                           arrowprops={"arrowstyle": "->", "color": color, "lw": 1.0})  # fmt: skip
@@ -860,7 +859,7 @@ def incidents_figure(incidents: Incidents, axis_x: TimeAxis, interval: float = 0
     for lo, hi in incidents.paused:
         axis.barh(position["paused"], max(hi - lo, interval), left=axis_x.x(lo), height=0.5, color="#8d99ae")
     axis.set_yticks(range(len(rows)), rows)
-    axis.set_ylim(len(rows) - 0.4, -0.6)
+    axis.set_ylim(y_actions + LANE_HEIGHT * extra + 0.4, -0.6)
     axis.grid(axis="y", visible=False)
     title = "Alerts (amber: pending, red: firing) and the actions they caused"
     if not incidents.episodes and not incidents.actions:
@@ -1019,21 +1018,23 @@ _CHAR_INCHES = 7.5 * 0.62 / 72
 _TIMELINE_INCHES = WIDTH - 1.9
 
 
-def _action_labels(incidents: Incidents) -> list[tuple[Any, str]]:
-    """(event, label) per action, in time order; the label says the fault-to-action time and what from."""
+def _action_labels(incidents: Incidents, timing: bool = True) -> list[tuple[Any, str]]:
+    """(event, label) per action, in time order; with `timing` the label says the fault-to-action time and
+    what from."""
     out = []
     for event in sorted(incidents.actions, key=lambda e: e.at):
         label = event.action if event.result == "applied" else f"{event.action} ({event.result})"
-        if event.cause is not None and event.fault_to_action is not None:
+        if timing and event.cause is not None and event.fault_to_action is not None:
             since = "the first non-finite step" if event.first_sign is not None else event.cause.alertname
             label += f": {_fmt_seconds(event.fault_to_action)} after {since}"
         out.append((event, label))
     return out
 
 
-def _lanes(labels: Sequence[tuple[Any, str]], axis_x: TimeAxis) -> list[int]:
-    """A lane per label (0 = nearest the row) such that labels on one lane do not run into each other."""
-    per_second = _TIMELINE_INCHES / axis_x.span
+def _lanes(labels: Sequence[tuple[Any, str]], axis_x: TimeAxis, inches: float = _TIMELINE_INCHES) -> list[int]:
+    """A lane per label (0 = nearest the row) such that labels on one lane do not run into each other, on axes
+    `inches` wide."""
+    per_second = inches / axis_x.span
     taken: list[list[tuple[float, float]]] = []  # per lane: the (from, to) of its labels, in inches
     lanes = []
     for event, label in labels:
@@ -1047,6 +1048,24 @@ def _lanes(labels: Sequence[tuple[Any, str]], axis_x: TimeAxis) -> list[int]:
         taken[lane].append((lo, hi))
         lanes.append(lane)
     return lanes
+
+
+def _draw_action_labels(axis: Axes, axis_x: TimeAxis, labels: Sequence[tuple[Any, str]], lanes: Sequence[int],
+                        y: float, white_edge: bool = False) -> None:  # fmt: skip
+    """Each action as a marker on row `y` (a diamond applied, a cross not), its label on its lane under the row
+    (lanes: _lanes), joined to the marker by a thin line when it is not on the first lane."""
+    for (event, label), lane in zip(labels, lanes, strict=True):
+        color = ACTION_COLORS.get(event.action, "#555555")
+        x = axis_x.x(event.at)
+        applied = event.result == "applied"
+        axis.plot(x, y, marker="D" if applied else "X", ms=6, color=color, ls="none",
+                  markeredgecolor="white" if white_edge and applied else color)  # fmt: skip
+        lane_y = y + LANE_HEIGHT * (lane + 1)
+        if lane:
+            axis.plot([x, x], [y, lane_y], color=color, lw=0.6, alpha=0.6)
+        right = x > axis_x.span * 0.6
+        axis.annotate(label, (x, lane_y), xytext=(-3 if right else 3, 0), textcoords="offset points", fontsize=7.5,
+                      color=color, va="center", ha="right" if right else "left")  # fmt: skip
 
 
 @_styled
@@ -1105,17 +1124,7 @@ def summary_figure(
             timeline.barh(y, max(episode.ended_at + interval - episode.firing_at, 0.5),
                           left=axis_x.x(episode.firing_at), height=0.5, color=FIRING)  # fmt: skip
     y_actions = len(rows) - 1
-    for (event, label), lane in zip(labels, lanes, strict=True):
-        color = ACTION_COLORS.get(event.action, "#555555")
-        x = axis_x.x(event.at)
-        timeline.plot(x, y_actions, marker="D" if event.result == "applied" else "X", ms=6, color=color, ls="none")
-        # Each label on the first lane below the row where it runs over no other (lanes: _lanes).
-        lane_y = y_actions + LANE_HEIGHT * (lane + 1)
-        if lane:
-            timeline.plot([x, x], [y_actions, lane_y], color=color, lw=0.6, alpha=0.6)
-        right = x > axis_x.span * 0.6
-        timeline.annotate(label, (x, lane_y), xytext=(-3 if right else 3, 0), textcoords="offset points", fontsize=7.5,
-                          color=color, va="center", ha="right" if right else "left")  # fmt: skip
+    _draw_action_labels(timeline, axis_x, labels, lanes, y_actions)
     timeline.set_yticks(range(len(rows)), rows, fontsize=7.5)
     timeline.set_ylim(y_actions + LANE_HEIGHT * (extra + 1) + 0.35, -0.6)
     timeline.grid(axis="y", visible=False)
