@@ -86,3 +86,27 @@ def test_the_section_renders_in_headless_chromium(tmp_path) -> None:
     image = Image.open(shot).convert("L")
     assert image.size == (1280, 1200)
     assert ImageStat.Stat(image.crop((0, 0, 1280, 900))).stddev[0] > 20, "the section did not render"
+
+
+def test_badput_that_grew_in_small_amounts_is_named_not_denied() -> None:
+    # Each bucket grows by less than an incident's 0.5 s between two samples: no incident, but the badput grew.
+    job = [
+        _series("startup", [5, 5.3, 5.6, 5.6, 5.6, 5.6, 5.6, 5.6, 5.6, 5.6]),
+        _series("training", [0, 9, 18, 28, 38, 48, 58, 68, 78, 88]),
+        _series("lost", [0, 0, 0, 0, 0, 0, 0.4, 0.4, 0.4, 0.4]),
+        _series("checkpoint", [0, 0, 0, 0.2, 0.4, 0.4, 0.4, 0.4, 0.6, 0.6]),
+        _series("validation", [0, 0, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]),
+        _series("paused", [0] * 10),
+        _series("hang", [0] * 10),
+    ]
+    assert incidents(job) == []
+    text = " ".join(getattr(b, "text", "") for b in render_section(job, world_size=2, price=None).blocks)
+    assert "no badput bucket grew" not in text
+    for grown in ("start-up or restart 0.6 s", "work thrown away (resume or rollback) 0.4 s", "checkpoint save 0.6 s",
+                  "validation 0.4 s"):  # fmt: skip
+        assert grown in text, f"{grown!r} is not said: {text}"
+    quiet = [_series(bucket, [1.0] * 10) for bucket in ("startup", "lost", "checkpoint")]
+    quiet.append(_series("training", [float(10 * i) for i in range(10)]))
+    assert "No badput bucket grew during the run's window" in " ".join(
+        getattr(b, "text", "") for b in render_section(quiet, world_size=2, price=None).blocks
+    )

@@ -21,12 +21,14 @@ from rankscope.report.prom import Prometheus
 from rankscope.report.run import RunWindow
 from rankscope.report.series import Series
 
-__all__ = ["GoodputIncident", "breakdown", "goodput_section", "incidents", "query", "time_figure"]
+__all__ = ["GoodputIncident", "breakdown", "goodput_section", "growth", "incidents", "query", "time_figure"]
 
 #: Buckets that are not progress kept: every bucket but training (lost is the part of training thrown away).
 BADPUT = tuple(bucket for bucket in BUCKETS if bucket != "training")
 #: Growth below this many seconds between samples is noise of the sampling, not an incident.
 MIN_GROWTH_SECONDS = 0.5
+#: Growth the section names when it is no incident: the table's precision (one decimal).
+SAID_SECONDS = 0.05
 _WHAT = {
     "startup": "start-up or restart",
     "lost": "work thrown away (resume or rollback)",
@@ -76,6 +78,32 @@ def incidents(series: list[Series]) -> list[GoodputIncident]:
         if open_at is not None:
             found.append(GoodputIncident(bucket, open_at, float(s.t[-1]), grown))
     return sorted(found, key=lambda incident: incident.start)
+
+
+def growth(series: list[Series]) -> dict[str, float]:
+    """Badput bucket -> seconds it grew over the run's window (its last sample minus its first), where it did."""
+    grown = {s.labels.get("bucket", ""): float(s.v[-1] - s.v[0]) for s in series if len(s)}
+    return {bucket: grown[bucket] for bucket in BADPUT if grown.get(bucket, 0.0) >= SAID_SECONDS}
+
+
+def _amounts(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{_WHAT.get(bucket, bucket)} {value:.1f} s" for bucket, value in seconds.items())
+
+
+def _unlisted(series: list[Series], found: list[GoodputIncident]) -> str:
+    """What the incidents do not account for: the badput that grew in amounts under an incident's, said so."""
+    rest = growth(series)
+    for incident in found:
+        rest[incident.bucket] = rest.get(incident.bucket, 0.0) - incident.seconds
+    rest = {bucket: value for bucket, value in rest.items() if value >= SAID_SECONDS}
+    if not found:
+        if not rest:
+            return "No badput bucket grew during the run's window: no incident."
+        return (
+            f"No incident (a badput bucket growing by {MIN_GROWTH_SECONDS:g} s or more between two samples), but "
+            f"badput grew in smaller amounts over the run's window: {_amounts(rest)}."
+        )
+    return f"Besides these incidents, badput grew in smaller amounts: {_amounts(rest)}." if rest else ""
 
 
 def _gpu_hours(seconds: float, world_size: int) -> float:
@@ -150,8 +178,9 @@ def render_section(
         )  # fmt: skip
     )
     found = incidents(series)
+    unlisted = _unlisted(series, found)
     if not found:
-        section.blocks.append(Note("No incident: no badput bucket grew during the run's window."))
+        section.blocks.append(Note(unlisted))
         return section
     when = utc or (lambda t: f"{t:.0f}")
     section.blocks.append(
@@ -169,6 +198,8 @@ def render_section(
             "each stretch over which a badput bucket grew (seconds as the ledger counted them)",
         )
     )
+    if unlisted:
+        section.blocks.append(Note(unlisted))
     return section
 
 
