@@ -3,8 +3,9 @@
 A thread of the stack launcher polls Prometheus's alerts API and the trainer's control status once a
 second and prints what changed, so a person watching `make demo` sees the loop close: the fault's
 alert firing, the page Alertmanager sent (to :class:`PagerSink`, a local webhook on 127.0.0.1 standing
-in for compose's `pager:9095`), the action it caused applied on all ranks at one step, and the loss in
-the window before the action against the window after it. Every line carries its wall-clock time.
+in for compose's `pager:9095`), the action it caused applied on all ranks at one step, and the loss
+over the steps just before an action that changes training against as many steps just after it (from
+the trainer's run log). Every line carries its wall-clock time.
 
 Scenarios (`make demo SCENARIO=...`) switch a fault on partway through the run, chosen so that the
 shipped rules (5 s scrapes, their real `for`s) turn it into an action within the demo's minutes.
@@ -13,6 +14,7 @@ shipped rules (5 s scrapes, their real `for`s) turn it into an action within the
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -28,11 +30,15 @@ from rankscope.report.prom import Prometheus
 #: Lines of the folded stacks the demo prints after a restart (the whole file is beside the checkpoints).
 STACK_LINES = 12
 
-__all__ = ["LOSS_WINDOW_SECONDS", "SCENARIOS", "Narrator", "PagerSink", "Scenario", "stamped"]
+__all__ = [
+    "LOSS_WINDOW_STEPS", "SCENARIOS", "Narrator", "PagerSink", "RunLogTail", "Scenario", "loss_windows", "stamped"
+]  # fmt: skip
 
-#: The loss "before" an action is its mean over this window ending at the action; "after", over the same
-#: length starting there: the untrained start of the run is in neither (a 2m average from the start was).
-LOSS_WINDOW_SECONDS = 30
+#: The loss "before" an action is its mean over this many logged steps up to the action's step; "after",
+#: over as many steps right after it: like with like (a time window reached back to the untrained start).
+LOSS_WINDOW_STEPS = 50
+#: Actions that change what the model trains on or how: only these get a loss before/after line.
+TRAINING_ACTIONS = frozenset({"reduce_lr", "rollback", "reduce_micro_batch"})
 
 
 def stamped(line: str, at: float | None = None) -> str:
@@ -146,6 +152,7 @@ class Narrator:
         interval: float = 1.0,
         stacks_dir: Path | None = None,
         run_id: str | None = None,
+        run_log: Path | None = None,
     ) -> None:
         self.run_id = run_id
         """The run narrated; None: the one the control endpoint serves, learned before anything is said."""
@@ -153,7 +160,9 @@ class Narrator:
         self._say, self._interval = say, interval
         self._firing: set[tuple[str, str]] = set()
         self._settled: set[str] = set()
-        self._after: list[tuple[float, str, float | None]] = []  # (action time, what, loss before) to report
+        self._after: list[dict] = []  # applied actions whose loss before/after is still to say
+        # The trainer appends to its run log across launches: this run's records are those after its end now.
+        self._log = RunLogTail(run_log) if run_log is not None else None
         self._rounds = 0
         self._stacks_dir = stacks_dir
         self._stop = threading.Event()
@@ -223,9 +232,8 @@ class Narrator:
                     at,
                 )
             )
-            if record["status"] == "applied":
-                what = f"{record['action']} at step {record['step']}"
-                self._after.append((at, what, self._loss_mean(at)))
+            if record["status"] == "applied" and record["action"] in TRAINING_ACTIONS and self._log is not None:
+                self._after.append(record)
             if record["action"] == "restart":
                 self._say_stacks()
 
@@ -243,21 +251,19 @@ class Narrator:
         for line in lines[:STACK_LINES]:
             self._say(f"    {line}")
 
-    def _loss_mean(self, end: float) -> float | None:
-        """The training loss averaged over the window ending at `end` (every rank's samples)."""
-        return self._prometheus.scalar(
-            f'avg(avg_over_time(rankscope_loss{{split="train"}}[{LOSS_WINDOW_SECONDS}s]))', end
-        )
-
     def _report_loss_after(self) -> None:
-        """Once a window has passed since an applied action: its loss before against after."""
-        now = time.time()
-        for entry in [e for e in self._after if now >= e[0] + LOSS_WINDOW_SECONDS + 5]:  # + a scrape
-            self._after.remove(entry)
-            at, what, before = entry
-            after = self._loss_mean(at + LOSS_WINDOW_SECONDS)
-            self._say(stamped(f"  loss around {what}: {loss_text(before)} in the {LOSS_WINDOW_SECONDS}s before, "
-                              f"{loss_text(after)} in the {LOSS_WINDOW_SECONDS}s after (mean over ranks)"))  # fmt: skip
+        """Once the log holds the steps after an applied action: its loss over the steps before against after."""
+        if not self._after or self._log is None:
+            return
+        records = self._log.read()
+        for record in list(self._after):
+            windows = loss_windows(records, record, LOSS_WINDOW_STEPS)
+            if windows is None:
+                continue
+            self._after.remove(record)
+            before, after = windows
+            self._say(stamped(f"  loss around {record['action']} at step {record['step']} (rank 0's log): "
+                              f"{_window_text(before)} before, {_window_text(after)} after"))  # fmt: skip
 
     def _status(self) -> dict:
         """The trainer's control status (rank 0's endpoint)."""
@@ -268,8 +274,67 @@ class Narrator:
             return json.loads(response.read())
 
 
-def loss_text(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
+class RunLogTail:
+    """The records the trainer appends to its JSONL run log from now on (earlier launches' are left out)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._position = path.stat().st_size if path.exists() else 0
+        self._records: list[dict] = []
+
+    def read(self) -> list[dict]:
+        """Every record written since this tail began; a line still being written waits for the next call."""
+        try:
+            with self._path.open("rb") as log:
+                log.seek(self._position)
+                chunk = log.read()
+        except FileNotFoundError:
+            return self._records
+        whole = chunk[: chunk.rfind(b"\n") + 1]
+        self._position += len(whole)
+        for line in whole.decode("utf-8", "replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                self._records.append(record)
+        return self._records
+
+
+def loss_windows(records: list[dict], action: dict, n: int) -> tuple[list[dict], list[dict]] | None:
+    """The `n` train records up to a settled action's step and the `n` logged after it, in log order (after
+    a rollback, the steps the run trained again); None until the log holds them.
+
+    Steps repeat after a rollback or a restart: the action's step is its record nearest the action's own
+    record in the log (the loop logs an outcome at a step boundary, its steps every log_every), and for a
+    rollback the one the run went back from (the last of its rising stretch)."""
+    logged = next((i for i, r in enumerate(records) if r.get("type") == "action" and r.get("id") == action["id"]), None)
+    if logged is None:
+        return None
+    train = [(i, r) for i, r in enumerate(records) if r.get("type") == "train" and isinstance(r.get("step"), int)]
+    if sum(1 for i, _ in train if i > logged) < n:
+        return None  # by then the step's own record is in (an earlier run through that step may be too)
+    step = action["step"]
+    found = [k for k, (_, r) in enumerate(train) if r["step"] == step]
+    if action["action"] == "rollback":
+        found = [k for k in found if k + 1 < len(train) and train[k + 1][1]["step"] <= step]
+    if not found:
+        return None
+    k = min(found, key=lambda k: abs(train[k][0] - logged))
+    after = [r for _, r in train[k + 1 : k + 1 + n]]
+    if len(after) < n:
+        return None
+    return [r for _, r in train[max(0, k + 1 - n) : k + 1]], after
+
+
+def _window_text(window: list[dict]) -> str:
+    """ "0.2164 over steps 322-371" (the mean of the finite losses), with the non-finite ones counted."""
+    finite = [r["loss"] for r in window if isinstance(r.get("loss"), int | float) and math.isfinite(r["loss"])]
+    mean = f"{sum(finite) / len(finite):.4g}" if finite else "n/a"
+    left_out = len(window) - len(finite)
+    skipped = f", {left_out} non-finite left out" if left_out else ""
+    return f"{mean} over steps {window[0]['step']}-{window[-1]['step']}{skipped}"
 
 
 def _of_run(labels: dict[str, str], run_id: str | None) -> bool:

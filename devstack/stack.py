@@ -301,15 +301,17 @@ def run(args: argparse.Namespace) -> int:
         (run_dir / "prometheus-url").write_text(f"http://127.0.0.1:{ports.prometheus}\n")  # for `make report`
         if stop.is_set():  # Ctrl-C while Prometheus and Alertmanager were starting
             return 0
+        # Made before the trainer starts: the run log it appends to is this run's from here on.
+        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
+                            token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir),
+                            run_id=args.run_id, run_log=run_dir / "log.jsonl")  # fmt: skip
         # The trainer writes to this terminal: its progress lines are the demo's output.
         trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
         print(_banner(ports, args.nproc, run_dir, token, args.run_id), flush=True)
         print(f"  scenario        {args.scenario}: {SCENARIOS[args.scenario].expect}", flush=True)
         if certs is not None:
             print(f"  mTLS            certificates, keys and web config in {certs.folder}", flush=True)
-        narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
-                            token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir),
-                            run_id=args.run_id).start()  # fmt: skip
+        narrator.start()
         try:
             _supervise(stop, monitoring, trainer)
         finally:

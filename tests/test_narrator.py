@@ -152,3 +152,78 @@ def test_without_a_run_id_the_narrator_takes_the_one_its_control_endpoint_serves
     narrator.on_status(_status("run-a", []))
     narrator.on_alerts([_alert("RankscopeRankHung", "run-b", rank="1"), _alert("RankscopeRankHung", "run-a", rank="0")])
     assert len(lines) == 1 and "run run-a, rank 0" in lines[0], lines
+
+
+class _Loop:
+    """Writes the run log as the reference trainer's loop does: each step recorded, flushed every 10 steps
+    at a boundary, then the settled outcomes of /v1/status logged (trainer/rankscope_trainer/loop.py)."""
+
+    def __init__(self, path):
+        from rankscope_trainer.logbook import ProgressLog
+
+        self.log = ProgressLog(str(path), enabled=True, max_steps=10_000, samples_per_step=8)
+        self.recent: list[dict] = []
+
+    def train(self, steps, loss):
+        import torch
+
+        for step in steps:
+            self.log.record_step(step, torch.tensor(loss(step)), torch.tensor([0.5, 0.5]), 1e-3)
+            if step % 10 == 0:
+                self.log.flush()
+            self.log.actions(self.recent)
+
+
+def test_the_loss_around_an_action_compares_as_many_steps_before_as_after_and_says_which(tmp_path):
+    """Issue 34: 'loss 1.008 in the 30 s before, 0.154 after' reached back to the untrained start of the
+    run, and a checkpoint got the same line. Now: the N logged steps up to the action's step against the N
+    after it, named; nothing for an action that does not change training; an earlier launch's log is not read."""
+    from devstack.narrator import LOSS_WINDOW_STEPS as N
+    from devstack.narrator import Narrator
+
+    path = tmp_path / "log.jsonl"
+    earlier = _Loop(path)  # an earlier demo appended to the same log: reduce_lr at the same step, other losses
+    earlier.recent = [_record("reduce_lr", 371, "alert:x")]  # ids are not unique across launches
+    earlier.train(range(1, 500), lambda step: 9.0)
+    lines: list[str] = []
+    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, run_id="r", run_log=path)
+    loop = _Loop(path)
+    loop.train(range(1, 301), lambda step: 5.0 - step / 100)  # falling from the untrained start
+    loop.train(range(301, 306), lambda step: float("nan"))  # the fault: skipped steps
+    loop.train(range(306, 372), lambda step: 0.3)
+    reduce_lr, checkpoint = _record("reduce_lr", 371, "alert:x"), _record("checkpoint", 371, "alert:y", id="c")
+    loop.recent = [reduce_lr, checkpoint]
+    narrator.on_status(_status("r", loop.recent))
+    narrator._report_loss_after()
+    loop.train(range(372, 372 + N - 1), lambda step: 0.1)
+    narrator._report_loss_after()
+    assert not any("loss around" in line for line in lines)  # not yet N steps after it
+    loop.train(range(372 + N - 1, 372 + N + 20), lambda step: 0.1)
+    narrator._report_loss_after()
+    said = [line.split(": ", 1)[1] for line in lines if "loss around" in line]
+    assert said == [f"  loss around reduce_lr at step 371 (rank 0's log): 0.3 over steps {372 - N}-371 before, "
+                    f"0.1 over steps 372-{371 + N} after"], lines  # fmt: skip
+
+
+def test_the_loss_after_a_rollback_is_of_the_steps_trained_again(tmp_path):
+    """A rollback applied at step 604 took the run back to the checkpoint of step 600: the steps before are
+    601..604 as first trained, those after are 601.. as trained again, in log order."""
+    from devstack.narrator import loss_windows
+
+    path = tmp_path / "log.jsonl"
+    loop = _Loop(path)
+    loop.train(range(551, 605), lambda step: 2.0)
+    loop.log.flush()  # the loop writes the steps before the rollback's record (loop.py, _rollback)
+    rollback = _record("rollback", 604, "alert:RankscopeLossDiverging", detail="the run went back to step 601")
+    loop.recent = [rollback]
+    loop.train(range(601, 700), lambda step: 1.0)
+
+    before, after = loss_windows(_read(path), rollback, 20)
+    assert [r["step"] for r in before] == list(range(585, 605)) and {r["loss"] for r in before} == {2.0}
+    assert [r["step"] for r in after] == list(range(601, 621)) and {r["loss"] for r in after} == {1.0}
+
+
+def _read(path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
