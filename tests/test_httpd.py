@@ -336,3 +336,28 @@ def test_both_endpoints_are_wsgi_apps_given_a_pep_3333_environ(kind):
         conn.close()
     finally:
         served.close()
+
+
+def head_of(path: str, size: int) -> bytes:
+    """A complete request head of exactly `size` bytes: one long header fills it."""
+    start, end = f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Padding: ".encode(), b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+def status_of_head(sock: socket.socket, head: bytes) -> int:
+    """Send a whole head in one piece and read the answer's status."""
+    sock.sendall(head)
+    answer = b""
+    while b"\r\n" not in answer and (chunk := sock.recv(4096)):
+        answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_head_over_64_kib_is_refused_431_even_when_it_arrives_complete_in_one_piece(kind):
+    with running(kind) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            assert status_of_head(sock, head_of(PATHS[kind], 70_000)) == 431
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            assert status_of_head(sock, head_of(PATHS[kind], 65_536)) == 200  # the bound itself is allowed
+        assert get(server.port, PATHS[kind]) == 200

@@ -269,3 +269,23 @@ def test_a_page_larger_than_the_socket_buffer_arrives_whole_over_tls(certs, tmp_
     finally:
         server.close()
     assert len(pages[0]) > 2_000_000 and pages[0] == pages[1] == pages[2]
+
+
+@pytest.mark.parametrize("kind", ["metrics", "control"])
+def test_a_head_over_64_kib_is_refused_431_over_tls_on_both_endpoints(certs, tmp_path, kind):
+    from tests.test_httpd import head_of, status_of_head
+
+    web = load_web_config(write_web_config(certs, tmp_path / "web.yml"))
+    if kind == "metrics":
+        server, path = serve_metrics(registry(), "127.0.0.1", 0, web=web), "/metrics"
+    else:
+        app = create_app(AppDeps(ActionQueue(), RunSnapshot(), TOKEN))
+        server, path = serve_control(app, "127.0.0.1", 0, web=web), "/healthz"
+    context = client_context(certs, certs)
+    try:
+        for size, status in ((70_000, 431), (65_536, 200)):
+            with context.wrap_socket(socket.create_connection(("127.0.0.1", server.port), timeout=10),
+                                     server_hostname="127.0.0.1") as sock:  # fmt: skip
+                assert status_of_head(sock, head_of(path, size)) == status, size
+    finally:
+        server.close()

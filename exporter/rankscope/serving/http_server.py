@@ -126,13 +126,16 @@ ErrorPage = Callable[[int, str], Response]
 
 
 class _Conn:
-    __slots__ = ("sock", "client", "h11", "line", "line_ok", "deadline", "state", "registered", "nodelay", "tls")
+    __slots__ = (
+        "sock", "client", "h11", "line", "line_ok", "fed", "deadline", "state", "registered", "nodelay", "tls",
+    )  # fmt: skip
 
     def __init__(self, sock: socket.socket, client: tuple[str, int], tls: bool) -> None:
         self.sock, self.client, self.tls = sock, client, tls
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.line = bytearray()  # the current request's bytes until its first line ends (checked early)
         self.line_ok = False
+        self.fed = 0  # bytes given to h11 since the current request began: bounds its head (see _head_too_long)
         self.deadline = 0.0
         self.state = _HANDSHAKE if tls else _WAITING
         self.registered = False
@@ -141,7 +144,14 @@ class _Conn:
     def feed(self, data: bytes) -> None:
         if not self.line_ok and len(self.line) <= MAX_REQUEST_LINE + 2:
             self.line += data[: MAX_REQUEST_LINE + 3 - len(self.line)]
+        self.fed += len(data)
         self.h11.receive_data(data)
+
+    def head_too_long(self) -> bool:
+        """Whether the request head h11 has just parsed is over MAX_HEAD_BYTES. h11's own bound
+        (max_incomplete_event_size) holds only while a head is incomplete: a longer one that arrives whole in
+        one read passes it. The head is what was fed less what h11 left unparsed (its body, the next request)."""
+        return self.fed > MAX_HEAD_BYTES and self.fed - len(self.h11.trailing_data[0]) > MAX_HEAD_BYTES
 
 
 class Body:
@@ -450,7 +460,8 @@ class HttpServer:
         """The connection waits for its handshake or its next request, under a new deadline."""
         if state is _WAITING and conn.h11.our_state is h11.DONE:
             conn.h11.start_next_cycle()  # only when both sides are done: the caller checked
-            conn.line = bytearray(conn.h11.trailing_data[0][: MAX_REQUEST_LINE + 3])
+            rest = conn.h11.trailing_data[0]  # what the client sent after the last request: the next one's start
+            conn.line, conn.fed = bytearray(rest[: MAX_REQUEST_LINE + 3]), len(rest)
             conn.line_ok = False
         conn.state, conn.deadline = state, time.monotonic() + self._timeout
         self._waiting.pop(conn, None)
@@ -604,6 +615,9 @@ class HttpServer:
             return None
         try:
             event = conn.h11.next_event()
+            if isinstance(event, h11.Request) and conn.head_too_long():
+                self._refuse(conn, 431, f"request head longer than {MAX_HEAD_BYTES} bytes")
+                return None
             if isinstance(event, h11.Request) and not _declares_body(event):
                 conn.h11.next_event()  # its EndOfMessage: the request is complete
         except h11.RemoteProtocolError as exc:
