@@ -102,10 +102,9 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_counted_and_timed_as_data_par
     steps = 4
     for result in _spawn(_fsdp_worker, 2, steps):
         page = result["page"]
-        # gloo's reduce-scatter is an all-reduce inside torch whose Work reports no completion: counted, not
-        # timed (docs/collectives.md); the all-gathers are timed.
-        seconds = _value(page, "rankscope_collective_seconds_total", kind="all_gather", dim="data")
-        assert seconds is not None and seconds > 0, f"rank {result['rank']}: no all-gather time\n{page}"
+        for kind in ("all_gather", "reduce_scatter"):
+            seconds = _value(page, "rankscope_collective_seconds_total", kind=kind, dim="data")
+            assert seconds is not None and seconds > 0, f"rank {result['rank']}: no {kind} time\n{page}"
         started = _value(page, "rankscope_collectives_total", dim="data")
         # 4 FSDP units, each step: an all-gather in forward, most again in backward, a reduce-scatter each.
         assert started is not None and started >= steps * 4 * 2, page
@@ -115,6 +114,63 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_counted_and_timed_as_data_par
         step_sum = _value(page, "rankscope_step_duration_seconds_sum")
         assert 0 < comm_sum < step_sum
         assert _value(page, "rankscope_phase") is not None
+
+
+class _Straggle(torch.autograd.Function):
+    """Identity forward; in backward, this rank arrives `seconds` late at the gradient reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import time
+
+        time.sleep(ctx.seconds)  # the straggler's extra work: its peer waits this long in the reduce-scatter
+        return grad, None
+
+
+def _reduce_scatter_worker(rank: int, world: int, port: int, queue: Any, steps: int, late: float) -> None:
+    try:
+        _init(rank, world, port)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        monitor = _monitor()
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        monitor.watch_mesh(mesh)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 32)
+        fully_shard(model, mesh=mesh)  # one unit, the root: backward's only collective is its reduce-scatter
+        for _ in monitor.data(range(steps)):
+            with monitor.step():
+                _Straggle.apply(model(torch.randn(8, 32)).sum(), late if rank == 1 else 0.0).backward()
+        page = _page(monitor)
+        dist.barrier()
+        monitor.close()
+        dist.destroy_process_group()
+        queue.put({"rank": rank, "page": page})
+    except Exception:
+        queue.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def test_fsdp2_s_gradient_reduce_scatter_on_gloo_is_timed_as_communication_not_compute() -> None:
+    steps, late = 3, 0.3
+    rank0 = _spawn(_reduce_scatter_worker, 2, steps, late)[0]
+    page = rank0["page"]
+    # Rank 0 waits for its late peer inside each step's reduce-scatter: that wait is communication.
+    waited = steps * late * 0.6  # allowing for the late rank's scheduling on a loaded machine
+    seconds = _value(page, "rankscope_collective_seconds_total", kind="reduce_scatter", dim="data")
+    assert seconds is not None and seconds >= waited, f"the reduce-scatter is not timed\n{page}"
+    comm = _value(page, "rankscope_comm_duration_seconds_sum")
+    assert comm >= waited, f"the step's comm time misses the reduce-scatter\n{page}"
+    compute = _value(page, "rankscope_compute_duration_seconds_sum")
+    step = _value(page, "rankscope_step_duration_seconds_sum")
+    assert compute <= step - waited, page
 
 
 def _recorder_counts() -> dict[str, int]:

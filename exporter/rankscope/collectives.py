@@ -4,10 +4,11 @@ Two sources, each for what it does best (docs/collectives.md):
 
 - **A post hook on each gloo process group** (``ProcessGroup.register_post_hook``, which sees every collective
   the group issues, functional ones and send/recv included) counts each collective as it is issued and times
-  it to completion from its work's future, on gloo's thread. On gloo (torch 2.14.1) the Flight Recorder cannot
-  time collectives (it records only their creation: ``time_discovered_*`` stay 0, no ``duration_ms``) and does
-  not record send/recv at all. When a group is hooked, the recorder is read once for what the group started
-  before (the baseline); after that a scrape of a gloo-only job never reads the recorder.
+  it to completion from its work's future, on gloo's thread; a blocking reduce-scatter (a composite work with
+  no future) to the return of the wait torch makes right after issuing it. On gloo (torch 2.14.1) the Flight
+  Recorder cannot time collectives (it records only their creation: ``time_discovered_*`` stay 0, no
+  ``duration_ms``) and does not record send/recv at all. When a group is hooked, the recorder is read once for
+  what the group started before (the baseline); after that a scrape of a gloo-only job never reads the recorder.
 - **torch's Flight Recorder** (FR) lists every collective of every process group with a record id, its group,
   op name (``nccl:_allgather_base``) and whether it has finished (``retired``). It is read from the metrics
   thread at scrape time while a group is not hooked (NCCL groups; any group before the step end that hooks
@@ -29,13 +30,14 @@ records by default (gloo included); 0 switches it off. Call `enable_collective_v
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
 import pickle
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,6 +247,9 @@ class CollectiveView:
         with self._lock:  # counted from FR again until hooked again (with a new baseline)
             self._issued_count.clear()
             self._baseline.clear()
+            for item in self._pending.values():
+                if item.thread:
+                    _WAITED.pop(id(item.work), None)
 
     def _hook(self, group: Any) -> str | None:
         """Hook one group; its name when the hooks count it (gloo), None for NCCL (counted from FR)."""
@@ -275,25 +280,46 @@ class CollectiveView:
             return
         now = time.perf_counter()
         self._poll_pending(now)  # issuing is also a moment to see earlier ones done
+        self._drop_unwaited(threading.get_ident())  # a blocking one this thread issued before has returned
         try:
             future = work.get_future()
         except RuntimeError:
-            # torch's composite works (gloo's reduce_scatter_tensor, an all-reduce underneath) have no future
-            # and never report completion (is_completed() stays False after wait()): counted by FR, not timed.
-            # Neither have gloo's send/recv works; they report completion only once the loop has waited on them,
-            # which bounds nothing (a pipeline stage computes between a recv's wait and its next op): counted
-            # above, not timed.
-            self._untimed += 1
+            # torch's composite works (gloo's reduce_scatter_tensor: an all-reduce, then a copy into the output
+            # that wait() makes) have no future and never report completion (is_completed() stays False after
+            # wait()). A blocking one (what FSDP2 issues) ends when the wait that torch makes right after
+            # issuing it returns: `_watch_wait` sees that. Gloo's send/recv works have no future either and are
+            # asynchronous: they report completion only once the loop has waited on them, which bounds nothing
+            # (a pipeline stage computes between a recv's wait and its next op): counted above, not timed.
+            if getattr(args, "async_op", True) or not _watch_wait():
+                self._untimed += 1
+                return
+            item = _Pending(kind, self.dim_of(group), group, now, time.time(), work, threading.get_ident())
+            with self._lock:
+                self._pending[id(item)] = item
+            _WAITED[id(work)] = lambda: self._finish(item, time.perf_counter())
             return
         item = _Pending(kind, self.dim_of(group), group, now, time.time(), work)
         with self._lock:
             self._pending[id(item)] = item
         future.add_done_callback(lambda _future: self._finish(item, time.perf_counter()))
 
+    def _drop_unwaited(self, thread: int) -> None:
+        """A blocking collective this thread issued whose end no Python wait showed (torch waited in C++): the
+        thread is past it, so it is not in flight; counted, not timed."""
+        with self._lock:
+            stale = [key for key, item in self._pending.items() if item.thread == thread]
+            for key in stale:
+                item = self._pending.pop(key)
+                _WAITED.pop(id(item.work), None)
+                item.work = None
+            self._untimed += len(stale)
+
     def _finish(self, item: _Pending, ended: float) -> None:
         with self._lock:
             if self._pending.pop(id(item), None) is None:
                 return
+            if item.thread:
+                _WAITED.pop(id(item.work), None)
             key = (item.kind, item.dim)
             self._seconds[key] = self._seconds.get(key, 0.0) + (ended - item.started)
             self._step_intervals.append((item.started, ended))
@@ -330,6 +356,7 @@ class CollectiveView:
         exchange, is not the step's)."""
         self.attach_groups()
         self._poll_pending(time.perf_counter())
+        self._drop_unwaited(threading.get_ident())
         with self._lock:
             intervals, self._step_intervals = self._step_intervals, []
         return [(max(start, since), end) for start, end in intervals if end > since]
@@ -437,6 +464,40 @@ class CollectiveView:
 
 _HOOK_IDS = itertools.count(0x52534B00)  # each view's own post-hook id: two monitors in a process never clash
 
+# Blocking composite works being waited for (id(work) -> what ends their timing), and whether `Work.wait` tells.
+_WAITED: dict[int, Callable[[], None]] = {}
+_wait_watched: bool | None = None
+
+
+def _watch_wait() -> bool:
+    """Wrap ``Work.wait`` once per process so that the end of a watched work's wait is seen; False if torch's
+    Work type cannot be wrapped. The wrapper calls torch's wait unchanged and returns what it returns; for a
+    work nobody watches it costs one dict lookup."""
+    global _wait_watched
+    if _wait_watched is not None:
+        return _wait_watched
+    try:
+        from torch.distributed import Work
+
+        torch_wait = Work.wait
+
+        @functools.wraps(torch_wait)
+        def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return torch_wait(self, *args, **kwargs)
+            finally:
+                ended = _WAITED.pop(id(self), None)
+                if ended is not None:
+                    with contextlib.suppress(Exception):  # never into the caller's wait: that one is untimed
+                        ended()
+
+        setattr(Work, "wait", wait)  # noqa: B010  (a method of torch's pybind type)
+        _wait_watched = True
+    except Exception as exc:  # a torch whose Work cannot be wrapped: blocking composites stay untimed
+        logger.warning("rankscope: cannot time gloo's composite collectives (reduce-scatter): %r", exc)
+        _wait_watched = False
+    return _wait_watched
+
 
 @dataclass
 class _Pending:
@@ -446,6 +507,7 @@ class _Pending:
     started: float  # perf_counter
     wall_started: float  # Unix seconds
     work: Any
+    thread: int = 0  # a blocking composite's issuing thread (its end is that thread's wait), else 0
     polled: bool = False
 
 
