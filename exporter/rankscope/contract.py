@@ -15,8 +15,9 @@ Which signal shows what (under DDP):
   communication). The all-reduce waits for the slowest rank, so every rank's
   step takes the same wall time: step time shows that the *run* is slow, not
   *which rank* is.
-* ``comm_duration_seconds`` is the time inside the all-reduce. A fast rank's
-  waiting for a slow peer is counted here, in the *fast* rank's comm time.
+* ``comm_duration_seconds`` is the time inside collectives (DDP's all-reduce, FSDP2's
+  all-gathers and reduce-scatters). A fast rank's waiting for a slow peer is counted
+  here, in the *fast* rank's comm time.
 * ``compute_duration_seconds`` = step - comm - data wait, per rank. This is the
   signal that differs between ranks and reveals a straggler.
 * ``data_wait_seconds`` is time blocked on the next batch; a slow loader on one
@@ -198,7 +199,10 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m(
         "comm_duration_seconds",
         _H,
-        "Time spent in gradient all-reduce per step, measured by a DDP comm hook.",
+        "Time per step inside collectives, overlaps counted once. Under DDP with attach_comm_hook: the gradient "
+        "all-reduce, timed by the comm hook. Otherwise, where every process group is gloo: each collective the "
+        "step issued, timed by the collective view (FSDP2's all-gathers and reduce-scatters, tensor parallel's "
+        "all-reduces; pipeline send/recv are not timed). Not recorded on NCCL without the DDP hook.",
         unit="seconds",
         buckets=SPLIT_TIME_BUCKETS,
     ),
