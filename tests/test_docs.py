@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,33 @@ def test_the_readme_names_exactly_the_core_dependencies():
     assert paragraph, "README.md: no 'The library needs ...' paragraph under Install"
     named = {_distribution(name) for name in re.findall(r"`([A-Za-z0-9_.-]+)`", paragraph.group(0))}
     assert named == declared, f"README names {sorted(named - declared)} too many, {sorted(declared - named)} missing"
+
+
+# --- code the docs quote from a tested example ----------------------------------------------------------------
+# A block after `<!-- verbatim: examples/X.py -->` must be lines of that file, as they are there (indentation
+# taken off), so the page shows code a test runs.
+
+_VERBATIM = re.compile(r"<!-- verbatim: (\S+) -->\n```python\n(.*?)```", flags=re.S)
+
+
+def _quotes(source: Path, block: str) -> bool:
+    lines, wanted = source.read_text().splitlines(), block.rstrip("\n").splitlines()
+    return any(
+        textwrap.dedent("\n".join(lines[start : start + len(wanted)])) == "\n".join(wanted)
+        for start in range(len(lines) - len(wanted) + 1)
+    )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_verbatim_block_is_the_example_s_own_code(page: Path):
+    for name, block in _VERBATIM.findall(page.read_text()):
+        assert _quotes(REPO / name, block), f"{page.relative_to(REPO)}: a block is not {name}'s code:\n{block}"
+
+
+def test_the_sharded_checkpoint_and_resume_are_shown_where_the_contract_is_read():
+    quoted = {
+        page.name: {(name, block.splitlines()[0]) for name, block in _VERBATIM.findall(page.read_text())}
+        for page in (REPO / "docs" / "instrumenting.md", REPO / "docs" / "loop-contract.md")
+    }
+    assert ("examples/fsdp2_loop.py", "def checkpoint(self, reason: str) -> Path:") in quoted["instrumenting.md"]
+    assert ("examples/fsdp2_loop.py", "def load(self, path: Path) -> dict:") in quoted["loop-contract.md"]
