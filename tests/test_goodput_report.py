@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 from PIL import Image, ImageStat
+from rankscope.report import plots
 from rankscope.report.goodput import breakdown, incidents, query, render_section
 from rankscope.report.html import Figure, Table, render_page
 from rankscope.report.series import Series
@@ -110,3 +111,24 @@ def test_badput_that_grew_in_small_amounts_is_named_not_denied() -> None:
     assert "No badput bucket grew during the run's window" in " ".join(
         getattr(b, "text", "") for b in render_section(quiet, world_size=2, price=None).blocks
     )
+
+
+def test_the_time_figure_reads_m_ss_like_every_other_plot_of_the_report() -> None:
+    from matplotlib.figure import Figure as MplFigure
+    from rankscope.report.goodput import time_axes
+
+    axes = time_axes(_job(), plots.TimeAxis(T0 - 30.0, T0 + 90.0))
+    assert isinstance(axes.figure, MplFigure)
+    axes.figure.canvas.draw()
+    shown = [t.get_text() for t in axes.get_xticklabels() if t.get_text()]
+    assert shown and all(":" in label for label in shown), shown  # m:ss, not decimal minutes
+    assert "0:30" in shown and axes.get_xlabel() == "time since the run's first sample (m:ss)"
+    assert axes.get_xlim() == (0.0, 120.0)  # the report's own axis: the run's first sample is 0:00
+
+
+def test_a_cpu_run_counts_rank_hours_not_gpu_hours() -> None:
+    section = render_section(_job(), world_size=8, price=2.5, on_gpu=False)
+    said = " ".join(getattr(b, "text", "") + " ".join(getattr(b, "headers", [])) for b in section.blocks)
+    assert "GPU" not in said and "rank-hours" in said
+    gpu = render_section(_job(), world_size=8, price=2.5)
+    assert "GPU-hours" in [b for b in gpu.blocks if isinstance(b, Table)][0].headers

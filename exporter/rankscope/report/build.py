@@ -104,7 +104,15 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
         sections.ranks(ctx),
         sections.resources(ctx),
         sections.incidents_section(ctx),
-        goodput_section(prom, run, _world_size(data), request.price_per_gpu_hour, utc=sections.utc),
+        goodput_section(
+            prom,
+            run,
+            _world_size(data),
+            request.price_per_gpu_hour,
+            utc=sections.utc,
+            axis_x=ctx.axis,
+            on_gpu=data.on_gpu,
+        ),
         sections.analyses(ctx),
         sections.attention(snapshots, skipped, attention_dir),
     ]

@@ -98,6 +98,11 @@ class RunData:
         """The finite series of a range query (empty if Prometheus had none)."""
         return [s for s in (x.finite() for x in self.series.get(name, [])) if len(s)]
 
+    @property
+    def on_gpu(self) -> bool:
+        """The run used accelerators: it has device series (a CUDA build alone says nothing)."""
+        return bool(self.get("device_memory") or self.get("gpu_utilization"))
+
     def one(self, name: str) -> Series | None:
         found = self.get(name)
         return found[0] if found else None

@@ -3,7 +3,7 @@
 Reads `rankscope_goodput_seconds_total{bucket}` (rank 0's ledger, the job's totals across restarts) over the
 run's window. The breakdown is each bucket's last value; an incident is a stretch of samples over which a
 badput bucket grew (a restart shows as the jump between two incarnations' samples). Its cost is its seconds
-times the world size, in GPU-hours, and in money with a price per GPU-hour.
+times the world size, in GPU-hours (rank-hours on a CPU run), and in money with a price per GPU-hour.
 """
 
 from __future__ import annotations
@@ -12,16 +12,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from rankscope.contract import metric
 from rankscope.goodput import BUCKETS
 from rankscope.report import plots
-from rankscope.report.html import Figure, Note, Paragraph, Section, Table
+from rankscope.report.html import Figure as FigureBlock
+from rankscope.report.html import Note, Paragraph, Section, Table
 from rankscope.report.prom import Prometheus
 from rankscope.report.run import RunWindow
 from rankscope.report.series import Series
 
-__all__ = ["GoodputIncident", "breakdown", "goodput_section", "growth", "incidents", "query", "time_figure"]
+__all__ = [
+    "GoodputIncident",
+    "breakdown",
+    "goodput_section",
+    "growth",
+    "incidents",
+    "query",
+    "time_axes",
+    "time_figure",
+]
 
 #: Buckets that are not progress kept: every bucket but training (lost is the part of training thrown away).
 BADPUT = tuple(bucket for bucket in BUCKETS if bucket != "training")
@@ -106,12 +118,17 @@ def _unlisted(series: list[Series], found: list[GoodputIncident]) -> str:
     return f"Besides these incidents, badput grew in smaller amounts: {_amounts(rest)}." if rest else ""
 
 
-def _gpu_hours(seconds: float, world_size: int) -> float:
+def _rank_hours(seconds: float, world_size: int) -> float:
     return seconds * world_size / 3600.0
 
 
+def _hours_name(on_gpu: bool) -> str:
+    """GPU-hours on a GPU run; a CPU run's ranks are processes, and its cost is rank-hours."""
+    return "GPU-hours" if on_gpu else "rank-hours"
+
+
 def _cost_columns(seconds: float, world_size: int, price: float | None) -> list[str]:
-    hours = _gpu_hours(seconds, world_size)
+    hours = _rank_hours(seconds, world_size)
     cells = [f"{hours:.3f}"]
     if price is not None:
         cells.append(f"{hours * price:,.2f}")
@@ -125,14 +142,24 @@ def goodput_section(
     price_per_gpu_hour: float | None = None,
     *,
     utc: Callable[[float], str] | None = None,
+    axis_x: plots.TimeAxis | None = None,
+    on_gpu: bool = True,
 ) -> Section:
-    """The section, from Prometheus; a note instead when the run exported no goodput."""
+    """The section, from Prometheus; a note instead when the run exported no goodput. `axis_x`: the report's
+    time axis (default: the run's window); `on_gpu`: the run used GPUs (else its cost is in rank-hours)."""
     series = [s.finite() for s in prom.query_range(query(run.selector), run.start, run.end, run.step)]
-    return render_section(series, world_size, price_per_gpu_hour, utc)
+    axis_x = axis_x or plots.TimeAxis(run.start, run.end)
+    return render_section(series, world_size, price_per_gpu_hour, utc, axis_x=axis_x, on_gpu=on_gpu)
 
 
 def render_section(
-    series: list[Series], world_size: int, price: float | None, utc: Callable[[float], str] | None = None
+    series: list[Series],
+    world_size: int,
+    price: float | None,
+    utc: Callable[[float], str] | None = None,
+    *,
+    axis_x: plots.TimeAxis | None = None,
+    on_gpu: bool = True,
 ) -> Section:
     section = Section("goodput", "Goodput")
     totals = breakdown(series)
@@ -151,13 +178,14 @@ def render_section(
         Paragraph(
             f"Goodput {share:.1%}: {productive:.0f} s of the job's {wall:.0f} s of wall time (every restart "
             f"included) went into training progress that was kept. {world_size} rank(s): "
-            f"{_gpu_hours(wall, world_size):.3f} GPU-hours in all, {_gpu_hours(wall - productive, world_size):.3f} "
+            f"{_rank_hours(wall, world_size):.3f} {_hours_name(on_gpu)} in all, "
+            f"{_rank_hours(wall - productive, world_size):.3f} "
             "of them badput."
         )
     )
     section.blocks.append(
-        Figure(
-            time_figure(series),
+        FigureBlock(
+            time_figure(series, axis_x),
             "where the job's time went, cumulative, stacked",
             "Seconds of the job's wall time by bucket as it went by (productive = training kept).",
         )  # fmt: skip
@@ -172,7 +200,7 @@ def render_section(
                          *_cost_columns(seconds, world_size, price)])  # fmt: skip
     section.blocks.append(
         Table(
-            ["where the time went", "seconds", "share of wall time", "GPU-hours", *money],
+            ["where the time went", "seconds", "share of wall time", _hours_name(on_gpu), *money],
             rows,
             "lost is training time thrown away; the other rows add up to the wall time",
         )  # fmt: skip
@@ -185,7 +213,7 @@ def render_section(
     when = utc or (lambda t: f"{t:.0f}")
     section.blocks.append(
         Table(
-            ["began", "cause", "seconds", "GPU-hours", *money],
+            ["began", "cause", "seconds", _hours_name(on_gpu), *money],
             [
                 [
                     when(i.start),
@@ -214,8 +242,9 @@ _COLOURS = {
 }
 
 
-def time_figure(series: list[Series]) -> bytes:
-    """Stacked cumulative seconds by bucket over the run's window, productive at the bottom, as PNG."""
+def time_axes(series: list[Series], axis_x: plots.TimeAxis) -> Axes:
+    """Stacked cumulative seconds by bucket on the report's time axis (m:ss since the run's first sample),
+    productive at the bottom."""
     by_bucket = {s.labels.get("bucket", ""): s for s in series if len(s)}
     times = sorted({float(t) for s in by_bucket.values() for t in s.t})
     figure = plots._figure(2.6)
@@ -226,14 +255,23 @@ def time_figure(series: list[Series]) -> bytes:
         zero = np.zeros(len(at))
         stack = {"productive": values.get("training", zero) - values.get("lost", zero)}
         stack |= {bucket: values[bucket] for bucket in BADPUT if bucket in values}
-        start = at[0]
         axes.stackplot(
-            (at - start) / 60.0,
+            axis_x.x(at),
             *(np.nan_to_num(v) for v in stack.values()),
             labels=list(stack),
             colors=[_COLOURS[name] for name in stack],
         )
         axes.legend(loc="upper left", fontsize=8, ncols=len(stack))
-    axes.set_xlabel("minutes since the run's first sample")
+    axis_x.apply(axes)
     axes.set_ylabel("seconds of wall time")
+    return axes
+
+
+def time_figure(series: list[Series], axis_x: plots.TimeAxis | None = None) -> bytes:
+    """:func:`time_axes` as PNG; without `axis_x`, from the first sample to the last."""
+    if axis_x is None:
+        times = [float(t) for s in series for t in s.t]
+        axis_x = plots.TimeAxis(min(times, default=0.0), max(times, default=0.0))
+    figure = time_axes(series, axis_x).figure
+    assert isinstance(figure, Figure)
     return plots.png_bytes(figure)

@@ -400,8 +400,7 @@ def facts(data: RunData, log: RunLog | None, incidents: Incidents, found: Stragg
         ("scrape interval", f"{run.interval:g} s (resolution {run.step:g} s)"),
     ]
     # A CUDA build's version says nothing about a run that used no GPU (no device series).
-    on_gpu = bool(data.get("device_memory") or data.get("gpu_utilization"))
-    keys = ("model", "backend", "torch_version", *(("cuda_version",) if on_gpu else ()), "config_hash")
+    keys = ("model", "backend", "torch_version", *(("cuda_version",) if data.on_gpu else ()), "config_hash")
     facts += [(key, info[key]) for key in keys if key in info]
     loss = logged.get("loss") or next((s for s in data.get("loss") if s.labels.get("split") == "train"), None)
     if loss is not None and len(loss):
