@@ -24,11 +24,16 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from rankscope.control.stacks import fold, render
 from rankscope.report.errors import ReportError
 from rankscope.report.prom import Prometheus
 
-#: Lines of the folded stacks the demo prints after a restart (the whole file is beside the checkpoints).
-STACK_LINES = 12
+#: The alert that names a hung rank (its `rank` label): the stack shown after a restart is that rank's.
+HANG_ALERT = "RankscopeRankHung"
+#: Frames of the suspect rank's stack the demo prints after a restart (the whole file is beside the checkpoints).
+STACK_FRAMES = 8
+#: Frames that say how Python started the program, never why it waits.
+_STARTUP_FILES = ("runpy.py",)
 
 __all__ = [
     "LOSS_WINDOW_STEPS", "SCENARIOS", "Narrator", "PagerSink", "RunLogTail", "Scenario", "loss_windows", "stamped"
@@ -165,6 +170,9 @@ class Narrator:
         self._log = RunLogTail(run_log) if run_log is not None else None
         self._rounds = 0
         self._stacks_dir = stacks_dir
+        self._stacks_due = False  # a restart was seen and its stacks not yet said
+        self._suspect: str | None = None  # the rank this run's hang alert named
+        self._started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="demo-narrator", daemon=True)
 
@@ -206,6 +214,8 @@ class Narrator:
         }
         for key in sorted(set(firing) - self._firing):
             labels = firing[key]["labels"]
+            if labels["alertname"] == HANG_ALERT and "rank" in labels:
+                self._suspect = labels["rank"]
             act = f"; action {labels['action']}" if "action" in labels else ""
             self._say(stamped(f"alert {key[0]} firing ({key[1]}, severity {labels.get('severity', '?')}{act})"))
         for key in sorted(self._firing - set(firing)):
@@ -235,20 +245,29 @@ class Narrator:
             if record["status"] == "applied" and record["action"] in TRAINING_ACTIONS and self._log is not None:
                 self._after.append(record)
             if record["action"] == "restart":
-                self._say_stacks()
+                self._stacks_due = True
+        if self._stacks_due:
+            self._say_stacks()
 
     def _say_stacks(self) -> None:
-        """The folded stacks the restart wrote beside the checkpoints (the newest file), a few lines of them."""
-        files = (
-            sorted(self._stacks_dir.glob("rankscope-stacks-*.txt"), key=lambda f: f.stat().st_mtime)
-            if (self._stacks_dir is not None and self._stacks_dir.is_dir())
-            else []
-        )
-        if not files:
-            return
-        lines = [line for line in files[-1].read_text().splitlines() if line.strip()]
-        self._say(stamped(f"stacks written before the restart: {files[-1]}"))
-        for line in lines[:STACK_LINES]:
+        """The stacks the restart wrote beside the checkpoints (this run's newest): the one-line summary of
+        every rank, then the innermost frames of the rank the hang alert named (else the odd one out)."""
+        folder = self._stacks_dir
+        files = [] if folder is None or not folder.is_dir() else folder.glob("rankscope-stacks-*.json")
+        fresh = sorted((f for f in files if f.stat().st_mtime >= self._started - 1), key=lambda f: f.stat().st_mtime)
+        if not fresh:
+            return  # not written yet: the next round looks again
+        self._stacks_due = False
+        answers = {int(rank): answer for rank, answer in json.loads(fresh[-1].read_text()).items()}
+        text = fresh[-1].with_suffix(".txt")
+        self._say(stamped(f"stacks written before the restart: {text if text.exists() else fresh[-1]}"))
+        folded = fold(answers)
+        self._say(f"    {render(folded, full=False)}")
+        named = self._suspect is not None and self._suspect.isdigit() and int(self._suspect) in answers
+        rank = int(self._suspect) if named else folded[-1].ranks[0]  # type: ignore[arg-type]
+        why = "the alert's rank" if named else "stacks unlike the most ranks'"
+        self._say(f"  rank {rank}'s stack ({why}), innermost frame last:")
+        for line in innermost_frames(answers[rank], STACK_FRAMES):
             self._say(f"    {line}")
 
     def _report_loss_after(self) -> None:
@@ -326,6 +345,20 @@ def loss_windows(records: list[dict], action: dict, n: int) -> tuple[list[dict],
     if len(after) < n:
         return None
     return [r for _, r in train[max(0, k + 1 - n) : k + 1]], after
+
+
+def innermost_frames(answer: dict, count: int) -> list[str]:
+    """The main thread's innermost `count` frames of one rank's stacks answer ("pkg/file.py:12 in f: code"),
+    innermost last; how Python started the program (runpy) is left out."""
+    if "error" in answer:
+        return [f"no stacks: {answer['error']}"]
+    main = next((t for t in answer.get("threads", []) if t.get("main")), None)
+    if main is None:
+        return ["no main thread"]
+    frames = [f for f in main["frames"] if Path(f["file"]).name not in _STARTUP_FILES][-count:]
+    return [f"{'/'.join(Path(f['file']).parts[-2:]) if 'rankscope' in f['file'] else Path(f['file']).name}:"
+            f"{f['line']} in {f['function']}" + (f": {f['code']}" if f.get("code") else "")
+            for f in frames]  # fmt: skip
 
 
 def _window_text(window: list[dict]) -> str:

@@ -67,11 +67,11 @@ def test_the_demo_points_alertmanagers_pager_at_its_sink():
 
 
 def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_its_stacks(tmp_path):
-    """`make demo SCENARIO=hang`: torchrun gets a restart to spend, the alert line names the rank, its phase
-    and why it is the suspect, and after the restart the narration prints the folded stacks it wrote."""
+    """`make demo SCENARIO=hang`: torchrun gets a restart to spend, and the alert line names the rank, its phase
+    and why it is the suspect (the stacks after the restart: the test below)."""
     import argparse
 
-    from devstack.narrator import Narrator, _describe
+    from devstack.narrator import _describe
     from devstack.ports import Ports
     from devstack.stack import _trainer_argv
 
@@ -86,13 +86,6 @@ def test_the_hang_scenario_leaves_torchrun_a_restart_and_names_the_suspect_and_i
     assert f"checkpoint.dir={tmp_path / 'checkpoints' / 'hang-1'}" in argv  # ... from this launch's own folder
     labels = {"run_id": "demo", "rank": "1", "phase": "data_wait", "suspect": "outside_collective"}
     assert _describe(labels) == "run demo, rank 1, phase data_wait, suspect outside_collective"
-
-    (tmp_path / "rankscope-stacks-restart-1.txt").write_text("rank 0: all_reduce in backward\nrank 1: get in queue\n")
-    lines: list[str] = []
-    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, stacks_dir=tmp_path)
-    narrator._say_stacks()
-    assert "rankscope-stacks-restart-1.txt" in lines[0]
-    assert lines[1:] == ["    rank 0: all_reduce in backward", "    rank 1: get in queue"]
 
 
 # Recorded answers, in the shapes Prometheus 2.x's /api/v1/alerts and the control endpoint's /v1/status give.
@@ -227,3 +220,45 @@ def _read(path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _frames(*where: tuple[str, int, str, str]) -> list[dict]:
+    return [{"file": file, "line": line, "function": function, "code": code} for file, line, function, code in where]
+
+
+def test_after_a_hang_the_narration_shows_the_stack_of_the_rank_the_alert_named(tmp_path):
+    """Issue 34: the narrated excerpt was the healthy rank 0's (runpy frames, cut off); the hung rank's stack
+    was only in the file. Now the alert's rank (written by the restart as rankscope.control.stacks does):
+    its innermost frames, innermost last, runpy's left out."""
+    import sysconfig
+
+    from rankscope.control.stacks import write_stacks
+
+    from devstack.narrator import STACK_FRAMES, Narrator
+
+    stdlib = sysconfig.get_paths()["stdlib"]  # where this Python's runpy and threading are
+    runpy = [(f"{stdlib}/runpy.py", 198, "_run_module_as_main", "return _run_code(code, main_globals)"),
+             (f"{stdlib}/runpy.py", 88, "_run_code", "exec(code, run_globals)")]  # fmt: skip
+    train = [("/work/trainer/rankscope_trainer/__main__.py", 4, "<module>", "main()"),
+             ("/work/trainer/rankscope_trainer/loop.py", 230, "train", "batch = self.data.next()")]  # fmt: skip
+    healthy = _frames(*runpy, *train, ("/work/venv/torch/distributed/distributed_c10d.py", 2950, "all_reduce", "w()"))
+    hung = _frames(*runpy, *train, *[("/work/trainer/rankscope_trainer/data.py", 100 + i, f"fetch{i}", "") for i in
+                                     range(STACK_FRAMES)],  # fmt: skip
+                   ("/work/trainer/rankscope_trainer/faults.py", 120, "block_forever", "self._never.wait()"),
+                   (f"{stdlib}/threading.py", 359, "wait", "waiter.acquire()"))  # fmt: skip
+    answers = {r: {"rank": r, "pid": 1, "time": 0.0, "threads": [{"thread": "MainThread", "main": True, "daemon": False,
+               "frames": frames}]} for r, frames in ((0, healthy), (1, hung), (2, healthy))}  # fmt: skip
+    write_stacks(tmp_path, answers, "restart-1")
+
+    lines: list[str] = []
+    narrator = Narrator(
+        "http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, stacks_dir=tmp_path, run_id="r"
+    )
+    narrator.on_alerts([_alert("RankscopeRankHung", "r", rank="1", phase="data_wait", action="restart")])
+    narrator.on_status(_status("r", [_record("restart", 300, "alert:RankscopeRankHung", detail="stacks written")]))
+    text = "\n".join(lines)
+    assert "ranks 0, 2: all_reduce in distributed_c10d.py:2950; rank 1: block_forever in faults.py:120" in text
+    excerpt = text[text.index("rank 1's stack (the alert's rank)") :].splitlines()[1:]
+    assert len(excerpt) == STACK_FRAMES and "runpy" not in text, text
+    assert excerpt[-1] == "    threading.py:359 in wait: waiter.acquire()"
+    assert excerpt[-2] == "    rankscope_trainer/faults.py:120 in block_forever: self._never.wait()"
