@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from rankscope_trainer.config import ConfigError, TrainConfig, apply_override, load_config, parse_config
+from rankscope_trainer.config import (
+    ConfigError,
+    TrainConfig,
+    apply_override,
+    build_section,
+    load_config,
+    parse_config,
+)
+from rankscope_trainer.faults import FaultsConfig
 
 from tests.support import REPO
 
@@ -170,3 +179,71 @@ def test_a_binary_file_given_as_config_is_one_line_naming_it(tmp_path: Path) -> 
     with pytest.raises(ConfigError) as caught:
         load_config(config)
     assert str(caught.value) == f"config {config} is not a YAML text file (not UTF-8 at byte 5)"
+
+
+SCHEDULE_YAML = """\
+faults:
+  state_dir: /tmp/campaign-markers
+  schedule:
+    - {kind: nonfinite, at_step: 40, steps: 3, rank: 0}
+    - {kind: straggler, at_step: 100, until_step: 160, rank: 1, seconds: 0.3}
+    - {kind: hang, at_step: 220, rank: 1, where: data}
+    - kind: crash
+      at_step: 300
+      rank: 0
+"""
+
+
+def test_a_fault_schedule_in_a_file_lists_each_fault_with_every_setting_spelled_out(tmp_path: Path) -> None:
+    path = tmp_path / "campaign.yaml"
+    path.write_text(SCHEDULE_YAML)
+    faults = load_config(path).faults
+    assert faults.state_dir == "/tmp/campaign-markers"
+    assert [e.name for e in faults.events()] == [
+        "nonfinite-step40",
+        "straggler-step100",
+        "hang-step220",
+        "crash-step300",
+    ]
+    assert faults.schedule[2] == {"kind": "hang", "at_step": 220, "rank": 1, "where": "data"}
+    assert faults.schedule[3] == {"kind": "crash", "at_step": 300, "rank": 0, "exit_code": 13}
+    # What a checkpoint keeps (plain data) reads back as the same schedule.
+    assert build_section(FaultsConfig, asdict(faults), "faults") == faults
+
+
+def test_a_fault_schedule_can_be_given_on_the_command_line() -> None:
+    raw: dict = {}
+    apply_override(raw, "faults.schedule=[{kind: crash, at_step: 15, rank: 1}, {kind: crash, at_step: 35, rank: 0}]")
+    assert [(e.name, e.rank) for e in parse_config(raw).faults.events()] == [("crash-step15", 1), ("crash-step35", 0)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ({"kind": "crash"}, "faults.schedule must be a list of faults, got dict"),
+        ([3], "faults.schedule[0] must be a mapping with a kind, got int 3"),
+        ([{"at_step": 5}], "faults.schedule[0].kind is missing: one of diverge, nonfinite,"),
+        ([{"kind": "fire", "at_step": 5}], "faults.schedule[0].kind must be one of diverge, nonfinite,"),
+        ([{"kind": "crash", "at_step": 5, "sleep": 1}], "unknown setting faults.schedule[0].sleep; known: at_step,"),
+        ([{"kind": "hang", "at_step": 5, "kind_": 1}], "known: at_step, rank, where"),
+        ([{"kind": "crash", "at_step": 2}, {"kind": "crash", "at_step": "x"}],
+         "faults.schedule[1].at_step must be of type int, got str 'x'"),
+        ([{"kind": "crash", "at_step": 5, "exit_code": 0}], "faults.schedule[0].exit_code must be in 1..255, got 0"),
+        ([{"kind": "crash"}], "faults.schedule[0].at_step must be >= 1 (a scheduled fault has a step), got 0"),
+        ([{"kind": "poison", "batches": 3}], "faults.schedule[0].at_batch must be >= 1"),
+        ([{"kind": "straggler", "at_step": 9, "until_step": 9}],
+         "faults.schedule[0].until_step must be 0 (never ends) or after at_step (9), got 9"),
+        ([{"kind": "hang", "at_step": 5, "where": "disk"}],
+         "faults.schedule[0].where must be one of data, compute, collective, got 'disk'"),
+        ([{"kind": "hang", "at_step": 5, "rank": 0}, {"kind": "hang", "at_step": 5, "rank": -1, "where": "compute"}],
+         "faults.schedule[1] repeats faults.schedule[0] (hang-step5 on every rank): give it another step or rank"),
+    ],
+)  # fmt: skip
+def test_a_bad_fault_schedule_entry_is_named_in_one_line(schedule: object, expected: str) -> None:
+    assert expected in _error({"faults": {"schedule": schedule}})
+
+
+def test_ends_of_lasting_faults_are_checked() -> None:
+    assert "faults.memory_balloon.until_step must be 0 (never ends) or after at_step (5), got 4" in _error(
+        {"faults": {"memory_balloon": {"at_step": 5, "bytes": 10, "until_step": 4}}}
+    )

@@ -19,6 +19,7 @@ import pytest
 import torch
 from rankscope.control.stacks import gather, headline
 from rankscope_trainer.config import build_section
+from rankscope_trainer.fault_markers import FaultMarkers
 from rankscope_trainer.faults import FaultInjector, FaultsConfig, HangFault
 
 from devstack.jobs import wait_for
@@ -41,7 +42,7 @@ def test_every_switch_is_off_by_default() -> None:
 
 def test_divergence_multiplies_every_rate_and_the_schedule_keeps_it() -> None:
     optimizer, scheduler = _optimizer_and_scheduler()
-    faults = FaultInjector(_faults(diverge={"at_step": 3, "lr_factor": 50}), rank=1, restart_count=0)
+    faults = FaultInjector(_faults(diverge={"at_step": 3, "lr_factor": 50}), rank=1)
     for step in (1, 2, 3, 4):
         faults.at_step_start(step, optimizer, scheduler)
         optimizer.step()
@@ -51,12 +52,12 @@ def test_divergence_multiplies_every_rate_and_the_schedule_keeps_it() -> None:
 
 def test_a_nonfinite_loss_comes_only_at_its_steps_and_on_its_rank() -> None:
     config = _faults(nonfinite={"at_step": 5, "steps": 2, "rank": 0})
-    mine, other = FaultInjector(config, rank=0, restart_count=0), FaultInjector(config, rank=1, restart_count=0)
+    mine, other = FaultInjector(config, rank=0), FaultInjector(config, rank=1)
     loss = torch.tensor(1.0, requires_grad=True)
     bad_steps = [step for step in range(1, 10) if torch.isnan(mine.after_forward(step, loss * 2))]
     assert bad_steps == [5, 6]
     assert all(torch.isfinite(other.after_forward(step, loss * 2)) for step in range(1, 10))
-    poisoned = mine.after_forward(5, loss * 2)
+    poisoned = FaultInjector(config, rank=0).after_forward(5, loss * 2)  # a fresh job's (mine fired once)
     poisoned.backward()
     assert torch.isnan(loss.grad)  # backward still runs, as for a real overflow
 
@@ -69,7 +70,7 @@ def test_poison_scrambles_the_captions_of_its_data_batches_only_and_draws_no_ran
         return Batch(torch.zeros(4, 3, 2, 2), ids, torch.ones(4, 3, dtype=torch.long), torch.tensor([3, 2, 3, 1]),
                      torch.ones(4, 2, dtype=torch.long))  # fmt: skip
 
-    faults = FaultInjector(_faults(poison={"at_batch": 5, "batches": 2}), rank=0, restart_count=0)
+    faults = FaultInjector(_faults(poison={"at_batch": 5, "batches": 2}), rank=0)
     assert faults.config.active() == ["poison"]
     rng = torch.get_rng_state()
     hit = [index for index in range(1, 10) if not torch.equal(faults.poison(index, [batch()])[0].input_ids,
@@ -88,13 +89,15 @@ def test_poison_settings_are_checked_with_their_names() -> None:
         _faults(poison={"batches": 0})
 
 
-def test_a_memory_balloon_grows_resident_memory_step_by_step_up_to_its_size() -> None:
+def test_a_memory_balloon_grows_resident_memory_step_by_step_up_to_its_size_and_frees_it_at_its_end() -> None:
     process = psutil.Process()
+    records: list = []
     faults = FaultInjector(
-        _faults(memory_balloon={"at_step": 2, "rank": 0, "bytes": 96_000_000, "step_bytes": 48_000_000}),
+        _faults(memory_balloon={"at_step": 2, "rank": 0, "bytes": 96_000_000, "step_bytes": 48_000_000,
+                                "until_step": 6}),
         rank=0,
-        restart_count=0,
-    )
+        on_fire=records.append,
+    )  # fmt: skip
     optimizer, scheduler = _optimizer_and_scheduler()
     before = process.memory_info().rss
     faults.at_step_start(1, optimizer, scheduler)
@@ -104,6 +107,11 @@ def test_a_memory_balloon_grows_resident_memory_step_by_step_up_to_its_size() ->
     faults.at_step_start(4, optimizer, scheduler)  # full: no more
     grown = process.memory_info().rss - before
     assert 90_000_000 <= grown < 140_000_000
+    faults.at_step_start(5, optimizer, scheduler)
+    assert process.memory_info().rss - before >= 90_000_000  # held up to its end
+    faults.at_step_start(6, optimizer, scheduler)
+    assert process.memory_info().rss - before < 30_000_000  # glibc: 48 MB chunks go back to the OS at once
+    assert [(r["type"], r["step"]) for r in records] == [("fault", 2), ("fault_end", 6)]
 
 
 def test_a_straggler_spends_its_extra_time_inside_the_step() -> None:
@@ -138,8 +146,8 @@ def test_slow_data_delays_the_batches_of_its_rank_from_its_step() -> None:
     assert max(timed(rank=1)) < 0.1
 
 
-def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_other() -> None:
-    faults = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), rank=0)
+def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_other(tmp_path) -> None:
+    faults = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), 0, FaultMarkers(tmp_path, "L1"))
     state = lambda: {"step": 1}  # noqa: E731 - the loop's state_dict, as save() calls it
 
     def timed(step: int) -> float:
@@ -150,9 +158,8 @@ def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_oth
     assert timed(10) < 0.1
     assert timed(20) >= 0.2  # the first save at or after step 15
     assert timed(30) < 0.1  # once only
-    # A restarted group (torchrun's TORCHELASTIC_RESTART_COUNT) saves at normal speed, as crash and hang
-    # happen on the first attempt only.
-    restarted = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), rank=0, restart_count=1)
+    # A restarted group (a new process, the same job's markers) replays the save at normal speed: once per job.
+    restarted = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), 0, FaultMarkers(tmp_path, "L1"))
     started = time.perf_counter()
     restarted.slow_checkpoint(20, state)()
     assert time.perf_counter() - started < 0.1
@@ -160,43 +167,57 @@ def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_oth
         _faults(slow_checkpoint={"at_step": 5, "seconds": -1})
 
 
-def test_a_crash_exits_the_process_on_the_first_attempt_only() -> None:
+def test_each_crash_of_a_schedule_exits_its_process_once_per_job_across_restarts(tmp_path) -> None:
+    # Three processes with one state directory, as torchrun's attempts of one job: the first crashes at
+    # step 2, the second replays step 2 and crashes at step 4, the third trains through both.
     script = (
-        "import torch\n"
-        "from rankscope_trainer.faults import FaultInjector, FaultsConfig, CrashFault\n"
+        "import sys, torch\n"
+        "from rankscope_trainer.config import build_section\n"
+        "from rankscope_trainer.fault_markers import FaultMarkers\n"
+        "from rankscope_trainer.faults import FaultInjector, FaultsConfig\n"
         "opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)\n"
         "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)\n"
-        "cfg = FaultsConfig(crash=CrashFault(at_step=2, rank=0, exit_code=17))\n"
-        "import sys; attempt = int(sys.argv[1])\n"
-        "faults = FaultInjector(cfg, rank=0, restart_count=attempt)\n"
-        "for step in (1, 2, 3): faults.at_step_start(step, opt, sched)\n"
+        "cfg = build_section(FaultsConfig, {'crash': {'at_step': 2, 'rank': 0, 'exit_code': 17},\n"
+        "    'schedule': [{'kind': 'crash', 'at_step': 4, 'rank': 0, 'exit_code': 18}]}, 'faults')\n"
+        "faults = FaultInjector(cfg, 0, FaultMarkers(sys.argv[1], 'L1', run_id='job-1'), on_fire=print)\n"
+        "for step in (1, 2, 3, 4, 5): faults.at_step_start(step, opt, sched)\n"
         "print('survived')\n"
     )
-    first = subprocess.run([sys.executable, "-c", script, "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert first.returncode == 17 and "survived" not in first.stdout
-    assert "crashes at step 2" in first.stderr
-    restarted = subprocess.run(
-        [sys.executable, "-c", script, "1"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert restarted.returncode == 0 and "survived" in restarted.stdout
+
+    def attempt() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    first, second, third = attempt(), attempt(), attempt()
+    assert first.returncode == 17 and "survived" not in first.stdout, first.stderr
+    assert "crashes at step 2" in first.stderr and "'name': 'crash-step2'" in first.stdout
+    assert second.returncode == 18 and "crashes at step 4" in second.stderr, second.stderr
+    assert "crash-step2" not in second.stdout  # fired once: the replayed step 2 is clean
+    assert third.returncode == 0 and "survived" in third.stdout and "fault" not in third.stdout, third.stderr
+    markers = sorted(path.name for path in tmp_path.iterdir())
+    assert markers == ["crash-step2.rank0.L1.json", "crash-step4.rank0.L1.json"]  # no temporary file left
+    assert json.loads((tmp_path / markers[1]).read_text())["step"] == 4
 
 
 @pytest.mark.parametrize("kind", ["data", "compute"])
-def test_a_hang_blocks_the_rank_where_its_stacks_show_it_on_the_first_attempt_only(kind) -> None:
+def test_a_hang_blocks_the_rank_where_its_stacks_show_it_once_per_job(kind, tmp_path) -> None:
     script = (
         "import sys, torch\n"
         "from rankscope.control.endpoint import serve_control\n"
         "from rankscope.control.peer import create_peer_app\n"
+        "from rankscope_trainer.fault_markers import FaultMarkers\n"
         "from rankscope_trainer.faults import FaultInjector, FaultsConfig, HangFault\n"
-        "kind, attempt = sys.argv[1], int(sys.argv[2])\n"
-        "faults = FaultInjector(FaultsConfig(hang=HangFault(at_step=2, rank=0, kind=kind)), 0, attempt)\n"
+        "kind = sys.argv[1]\n"
+        "markers = FaultMarkers(sys.argv[2], 'L1', run_id='job-1')\n"
+        "faults = FaultInjector(FaultsConfig(hang=HangFault(at_step=2, rank=0, kind=kind)), 0, markers)\n"
         "print(serve_control(create_peer_app(0, 'tok'), '127.0.0.1', 0).url, flush=True)\n"
         "for step in (1, 2, 3):\n"
         "    if kind == 'data': list(faults.slow_data([None], lambda: step))\n"
         "    else: faults.after_forward(step, torch.zeros(()))\n"
         "print('survived', flush=True)\n"
     )
-    hung = subprocess.Popen([sys.executable, "-c", script, kind, "0"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", script, kind, str(tmp_path)]
+    hung = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         url = hung.stdout.readline().strip()
         frame = "_hang_in_data_loader" if kind == "data" else "_hang_in_compute"
@@ -210,15 +231,134 @@ def test_a_hang_blocks_the_rank_where_its_stacks_show_it_on_the_first_attempt_on
     finally:
         hung.kill()
         hung.wait(10)
-    restarted = subprocess.run(
-        [sys.executable, "-c", script, kind, "1"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    restarted = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert restarted.returncode == 0 and "survived" in restarted.stdout
 
 
 def test_a_hang_of_an_unknown_kind_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^faults.hang.kind must be one of data, compute, collective, got 'disk'$"):
         HangFault(at_step=3, kind="disk")
+
+
+# --- once per job: what a restarted group (a new process, the same state directory) sees ----------
+
+
+def _injector(config: FaultsConfig, rank: int, directory, lineage: str = "L1", run_id: str = "job-1",
+              records: list | None = None) -> FaultInjector:  # fmt: skip
+    on_fire = None if records is None else records.append
+    return FaultInjector(config, rank, FaultMarkers(directory, lineage, run_id=run_id), on_fire=on_fire)
+
+
+def _nan_steps(faults: FaultInjector, steps) -> list[int]:
+    return [step for step in steps if torch.isnan(faults.after_forward(step, torch.tensor(1.0)))]
+
+
+def test_a_nonfinite_burst_fires_its_steps_once_per_job_and_a_replay_stays_finite(tmp_path) -> None:
+    config = _faults(schedule=[{"kind": "nonfinite", "at_step": 5, "steps": 3, "rank": 0}])
+    records: list = []
+    first = _injector(config, 0, tmp_path, records=records)
+    assert _nan_steps(first, range(1, 9)) == [5, 6, 7]
+    assert _nan_steps(first, range(4, 9)) == []  # a rollback's replay in the same process
+    assert _nan_steps(_injector(config, 0, tmp_path), range(1, 9)) == []  # a restart that resumed its checkpoint
+    # A restart before any checkpoint has a new lineage, but the launch's run id names the job.
+    assert _nan_steps(_injector(config, 0, tmp_path, lineage="L2"), range(1, 9)) == []
+    # A fresh job in the same directory (new lineage, new launch) has fired nothing; nor has torchrun's
+    # default run id "none" a job to name.
+    assert _nan_steps(_injector(config, 0, tmp_path, lineage="L3", run_id="job-2"), range(1, 9)) == [5, 6, 7]
+    assert _nan_steps(_injector(config, 0, tmp_path / "n", lineage="L4", run_id="none"), range(1, 9)) == [5, 6, 7]
+    assert _nan_steps(_injector(config, 0, tmp_path / "n", lineage="L5", run_id="none"), range(1, 9)) == [5, 6, 7]
+    (fired,) = records  # one record for the burst, when it began
+    assert {k: fired[k] for k in ("type", "kind", "name", "step", "rank", "source")} == {
+        "type": "fault", "kind": "nonfinite", "name": "nonfinite-step5", "step": 5, "rank": 0,
+        "source": "faults.schedule[0]",
+    }  # fmt: skip
+    assert abs(fired["time"] - time.time()) < 60
+    marker = json.loads((tmp_path / "nonfinite-step5.rank0.L1.json").read_text())
+    assert (marker["step"], marker["rank"], marker["run_id"], marker["time"]) == (5, 0, "job-1", fired["time"])
+
+
+def test_a_fault_any_rank_fired_is_over_for_every_rank_of_the_restarted_group(tmp_path) -> None:
+    config = _faults(diverge={"at_step": 3, "lr_factor": 50})
+    optimizer, scheduler = _optimizer_and_scheduler()
+    _injector(config, 0, tmp_path).at_step_start(3, optimizer, scheduler)  # rank 0 diverged, then the group died
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5.0)
+    optimizer, scheduler = _optimizer_and_scheduler()
+    for rank in (0, 1):  # rank 1 never reached step 3; restarted, it must not diverge alone
+        faults = _injector(config, rank, tmp_path)
+        for step in (1, 2, 3, 4):
+            faults.at_step_start(step, optimizer, scheduler)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_a_poisoned_stretch_stays_poisoned_when_replayed_but_is_recorded_once(tmp_path) -> None:
+    from rankscope_trainer.data import Batch
+
+    ids = torch.arange(12).reshape(4, 3)
+    batch = Batch(torch.zeros(4, 3, 2, 2), ids, torch.ones(4, 3, dtype=torch.long), torch.tensor([3, 2, 3, 1]),
+                  torch.ones(4, 2, dtype=torch.long))  # fmt: skip
+    config = _faults(poison={"at_batch": 5, "batches": 2})
+    records: list = []
+    for attempt in range(2):  # the second attempt replays the data batches after a restart
+        faults = _injector(config, 1, tmp_path, records=records)
+        hit = [i for i in range(1, 9) if not torch.equal(faults.poison(i, [batch])[0].input_ids, ids)]
+        assert hit == [5, 6], attempt
+    assert [(r["type"], r["name"], r["step"], r["rank"]) for r in records] == [("fault", "poison-batch5", 5, 1)]
+
+
+def test_a_straggler_and_slow_data_with_an_end_slow_their_window_only_and_log_its_end(tmp_path) -> None:
+    config = _faults(schedule=[
+        {"kind": "straggler", "at_step": 2, "until_step": 4, "rank": 1, "seconds": 0.15},
+        {"kind": "slow_data", "at_step": 3, "until_step": 4, "rank": 1, "seconds": 0.15},
+    ])  # fmt: skip
+    records: list = []
+    faults = _injector(config, 1, tmp_path, records=records)
+    step = {"next": 1}
+    batches = iter(faults.slow_data(range(6), lambda: step["next"]))
+    slowed = []
+    for index in range(1, 6):
+        step["next"] = index
+        started = time.perf_counter()
+        next(batches)
+        data = time.perf_counter() - started
+        started = time.perf_counter()
+        faults.after_forward(index, torch.tensor(1.0))
+        slowed.append((index, data >= 0.15, time.perf_counter() - started >= 0.15))
+    assert slowed == [(1, False, False), (2, False, True), (3, True, True), (4, False, False), (5, False, False)]
+    assert [(r["type"], r["kind"], r["step"]) for r in records] == [
+        ("fault", "straggler", 2), ("fault", "slow_data", 3), ("fault_end", "slow_data", 4),
+        ("fault_end", "straggler", 4),
+    ]  # fmt: skip
+
+
+def test_every_scheduled_fault_is_checked_as_its_switch_is_and_named_by_its_place() -> None:
+    with pytest.raises(ValueError, match=r"^faults.schedule\[1\].at_step must be >= 0 \(0 = off\), got -2$"):
+        _faults(schedule=[{"kind": "crash", "at_step": 5}, {"kind": "crash", "at_step": -2}])
+    with pytest.raises(ValueError, match=r"^faults.schedule\[0\].where must be one of data, compute, collective"):
+        _faults(schedule=[{"kind": "hang", "at_step": 5, "where": "disk"}])
+    with pytest.raises(ValueError, match=r"^faults.schedule\[0\] repeats faults.crash \(crash-step4 on every rank\)"):
+        _faults(crash={"at_step": 4, "rank": 1}, schedule=[{"kind": "crash", "at_step": 4, "rank": -1}])
+    both = _faults(
+        crash={"at_step": 4, "rank": 1},
+        schedule=[{"kind": "crash", "at_step": 4, "rank": 0}, {"kind": "hang", "at_step": 9, "where": "collective"}],
+    )
+    assert [(e.name, e.rank, e.source) for e in both.events()] == [
+        ("crash-step4", 1, "faults.crash"), ("crash-step4", 0, "faults.schedule[0]"),
+        ("hang-step9", 1, "faults.schedule[1]"),
+    ]  # fmt: skip
+    assert both.events()[2].fault.kind == "collective"
+
+
+def test_fault_records_of_any_rank_reach_the_run_log_whole(tmp_path) -> None:
+    from rankscope_trainer.logbook import ProgressLog
+
+    path = tmp_path / "log.jsonl"
+    main, other = ProgressLog(str(path), True, 10, 32), ProgressLog(str(path), False, 10, 32)
+    main.event("start", step=0)
+    other.fault({"type": "fault", "kind": "crash", "name": "crash-step3", "step": 3, "rank": 1, "time": 12.5})
+    main.event("finished", step=10)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["type"] for r in records] == ["start", "fault", "finished"]
+    assert records[1] == {"type": "fault", "kind": "crash", "name": "crash-step3", "step": 3, "rank": 1, "time": 12.5}
 
 
 # --- one 2-rank run with the faults on, scraped over HTTP ------------------------------------------

@@ -1,7 +1,7 @@
-"""Fault injection: real failures, switched on at a chosen step, for tests and demos.
+"""Fault injection: real failures at chosen steps, for tests, demos and fault campaigns.
 
-Each switch is off while its `at_step` is 0. Steps are the 1-based global
-step being trained. `rank: -1` means every rank.
+Steps are the 1-based global step being trained. `rank: -1` means every rank.
+One switch per kind (off while its `at_step` is 0):
 
     faults:
       diverge:        {at_step: 200, lr_factor: 300}        # learning rate blown up -> loss spikes, divergence
@@ -14,30 +14,54 @@ step being trained. `rank: -1` means every rank.
       hang:           {at_step: 40, rank: 1, kind: data}    # rank blocks for ever -> RankscopeRankHung, restart
       slow_checkpoint: {at_step: 20, seconds: 5}            # one save takes 5 s longer -> goodput's checkpoint time
 
+and a schedule, any number of faults of any kind, each `{kind: <kind>, <that kind's fields>}` (the
+hang's own place is `where`, as `kind` names the fault):
+
+    faults:
+      schedule:
+        - {kind: nonfinite, at_step: 40, steps: 3, rank: 0}
+        - {kind: straggler, at_step: 100, until_step: 160, rank: 1, seconds: 0.3}
+        - {kind: hang, at_step: 220, rank: 1, where: data}
+        - {kind: crash, at_step: 300, rank: 0, exit_code: 9}
+        - {kind: hang, at_step: 380, rank: 0, where: collective}
+      state_dir: ""   # where fired faults are marked ("" = faults/ in checkpoint.dir)
+
+A schedule entry is checked as the switch of its kind is (errors name `faults.schedule[3].at_step`) and
+must have a step (`at_step`, or `at_batch` for poison, >= 1). Two faults of one kind at one step whose
+ranks overlap are refused: they would be one fault.
+
 What each one does, and the signal it leaves:
 
-* diverge: from `at_step` on, every learning rate (and the scheduler's base
+* diverge: at `at_step`, every learning rate (and the scheduler's base
   rates, so the schedule keeps the factor) is multiplied by `lr_factor`. Loss
   and gradient norm climb: `rankscope_loss_spikes_total`, `rankscope_learning_rate`.
+  The raised rate is training state: a checkpoint saved after it keeps it, so a
+  group resumed from that checkpoint stays diverged (it does not recover by itself).
 * nonfinite: for `steps` steps from `at_step`, the rank's loss is made NaN
   before backward; the NaN reaches every rank through the all-reduce.
   `rankscope_nonfinite_steps_total` (and `skipped_steps_total` with
   `metrics.skip_nonfinite`).
 * memory_balloon: from `at_step`, the rank allocates host memory (touched,
   so it is resident) `step_bytes` per step (0 = all at once) until it holds
-  `bytes`, and keeps it. `rankscope_process_resident_memory_bytes`,
-  `rankscope_host_memory_used_ratio`.
-* straggler: from `at_step`, the rank spends `seconds` more per step between
-  forward and backward, sleeping (`mode: sleep`) or multiplying matrices
-  (`mode: compute`, a real busy CPU/GPU). Its `compute_duration_seconds`
-  grows; the other ranks wait in `comm_duration_seconds`.
-* slow_data: from `at_step`, the rank's next batch is delivered `seconds`
-  late, as from slow storage. Its `data_wait_seconds` grows (the others wait
-  in communication).
+  `bytes`, and keeps it until `until_step` (0 = for ever), where it drops every
+  tensor and asks the C allocator to hand freed memory back (glibc's
+  malloc_trim). `rankscope_process_resident_memory_bytes`,
+  `rankscope_host_memory_used_ratio`: RankscopeHostMemoryHigh fires once the node's
+  ratio stays above its threshold for its `for`, and its action (`checkpoint`)
+  saves but frees nothing; the ratio falls at `until_step` and the alert resolves.
+  Chunks of 32 MB or more are returned to the OS at once; smaller ones sit on
+  the heap, and an allocator other than glibc's may keep them, so RSS may not
+  shrink everywhere.
+* straggler: from `at_step` until `until_step` (0 = for ever), the rank spends
+  `seconds` more per step between forward and backward, sleeping (`mode: sleep`)
+  or multiplying matrices (`mode: compute`, a real busy CPU/GPU). Its
+  `compute_duration_seconds` grows; the other ranks wait in `comm_duration_seconds`.
+* slow_data: from `at_step` until `until_step` (0 = for ever), the rank's next
+  batch is delivered `seconds` late, as from slow storage. Its `data_wait_seconds`
+  grows (the others wait in communication).
 * crash: at `at_step`, the rank exits at once with `exit_code` (no cleanup,
-  like a segfault or an OOM kill). Only on the first attempt: torchrun sets
-  TORCHELASTIC_RESTART_COUNT, and a restarted group (`--max-restarts`) resumes
-  from the last checkpoint without crashing again.
+  like a segfault or an OOM kill); torchrun (`--max-restarts`) restarts the group,
+  which resumes from the newest checkpoint.
 * poison: a stretch of bad data, not of steps: the `batches` batches of the
   rank's data stream from batch `at_batch` on (1-based; one batch = one
   optimizer step's data, counted across epochs and resumes) have their
@@ -45,8 +69,8 @@ What each one does, and the signal it leaves:
   from a broken shard. The loss spikes and diverges while they are trained
   on; a `rollback` that skips them leaves training clean again, because the
   fault follows the data position, not the step.
-* hang: at `at_step` (first attempt only, as `crash`), the rank blocks for ever,
-  as a hung rank of a large job does, in one of three places (`kind`):
+* hang: at `at_step`, the rank blocks for ever, as a hung rank of a large job
+  does, in one of three places (`kind`, or `where` in a schedule):
   `data`: its data loader never delivers the step's batch (a worker
   deadlock, a read that never returns); `compute`: it never leaves the
   step's forward (a wedged device); `collective`: it leaves the step's
@@ -59,26 +83,54 @@ What each one does, and the signal it leaves:
   its `restart` action gets the group training again from the newest
   checkpoint (`torchrun --max-restarts`).
 * slow_checkpoint: the first checkpoint saved at or after `at_step` takes
-  `seconds` longer (first attempt only, as `crash`), as on a slow or contended filesystem: rank 0 writes the
+  `seconds` longer, as on a slow or contended filesystem: rank 0 writes the
   file that much later and every rank waits for it inside the save (the
   `checkpoint` phase). The save's printed duration and
   `rankscope_checkpoint_duration_seconds` include it; goodput counts it as
   checkpoint time.
+
+Once per job. A fault is an event in time: it fires at most once in the whole job, however often a
+restarted, resumed or rolled-back group replays its steps. The rank that fires a fault first writes
+its marker (rankscope_trainer.fault_markers: one file per fault and rank in `faults.state_dir`,
+written atomically and fsynced), then logs a `fault` record in `run.log_file`, then acts. Each attempt
+reads the markers once, before its first step (after the collective start-up, so every rank reads the
+same set), and a fault that any rank of the job has marked does not act again in that attempt, on any
+rank. Per kind:
+
+* crash, hang, diverge, slow_checkpoint: fire once, at their step (slow_checkpoint: at the first
+  save at or after it). A restarted group trains through the step clean, as after a real fault that
+  a restart cleared; a second crash or hang later in the schedule is a fault of its own and fires.
+  A diverged rate survives in the checkpoints saved after it (see diverge), not by firing again.
+* nonfinite, straggler, slow_data, memory_balloon: a window of steps, acted in by the process that
+  fired it, each step at most once (an in-process rollback into the window does not act again on the
+  steps already passed). A restart ends the window: the restarted group does not resume the
+  remainder (a campaign spaces its faults so each is over before the next). A window that ends
+  (`until_step`) logs a `fault_end` record.
+* poison: follows the data position on purpose, so batches that are replayed stay poisoned (the data
+  is bad, not the moment), and only a rollback that skips the data skips the fault. Its marker and
+  `fault` record are written when it first poisons a batch, for the ground truth of when it began.
+
+A job is a lineage of checkpoints plus one torchrun launch's restarts (see fault_markers): a fresh
+run in the same directory fires every fault again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from rankscope import config_from_mapping
 
-__all__ = ["FaultInjector", "FaultsConfig"]
+from rankscope_trainer.fault_markers import FaultMarkers
+
+__all__ = ["FaultEvent", "FaultInjector", "FaultsConfig"]
 
 logger = logging.getLogger("rankscope_trainer")
 
@@ -95,10 +147,17 @@ def _check_common(name: str, at_step: int, rank: int, switch: str = "at_step") -
     _check(rank >= -1, f"faults.{name}.rank must be >= -1 (-1 = every rank), got {rank}")
 
 
+def _check_until(name: str, at_step: int, until_step: int) -> None:
+    _check(
+        until_step == 0 or until_step > at_step,
+        f"faults.{name}.until_step must be 0 (never ends) or after at_step ({at_step}), got {until_step}",
+    )
+
+
 @dataclass
 class DivergeFault:
     at_step: int = 0
-    """Step from which the learning rate is multiplied (0 = off)."""
+    """Step at which the learning rate is multiplied (0 = off)."""
     lr_factor: float = 100.0
     """Factor applied to every learning rate."""
 
@@ -131,12 +190,15 @@ class MemoryBalloonFault:
     """Total bytes to allocate and hold."""
     step_bytes: int = 0
     """Bytes added per step until `bytes` is reached (0 = all at once)."""
+    until_step: int = 0
+    """Step at which the memory is freed (0 = held for ever)."""
 
     def __post_init__(self) -> None:
         _check_common("memory_balloon", self.at_step, self.rank)
         _check(self.bytes >= 0, f"faults.memory_balloon.bytes must be >= 0, got {self.bytes}")
         _check(self.step_bytes >= 0, f"faults.memory_balloon.step_bytes must be >= 0, got {self.step_bytes}")
         _check(self.at_step == 0 or self.bytes > 0, "faults.memory_balloon.bytes must be > 0 when the balloon is on")
+        _check_until("memory_balloon", self.at_step, self.until_step)
 
 
 @dataclass
@@ -149,11 +211,14 @@ class StragglerFault:
     """Extra time per step."""
     mode: str = "sleep"
     """sleep, or compute (busy matrix multiplications for `seconds`)."""
+    until_step: int = 0
+    """First step at normal speed again (0 = slow for ever)."""
 
     def __post_init__(self) -> None:
         _check_common("straggler", self.at_step, self.rank)
         _check(self.seconds >= 0, f"faults.straggler.seconds must be >= 0, got {self.seconds}")
         _check(self.mode in ("sleep", "compute"), f"faults.straggler.mode must be sleep or compute, got {self.mode!r}")
+        _check_until("straggler", self.at_step, self.until_step)
 
 
 @dataclass
@@ -164,10 +229,13 @@ class SlowDataFault:
     """The rank with the slow loader (-1 = every rank)."""
     seconds: float = 0.2
     """Delay per batch."""
+    until_step: int = 0
+    """First step whose batch arrives on time again (0 = slow for ever)."""
 
     def __post_init__(self) -> None:
         _check_common("slow_data", self.at_step, self.rank)
         _check(self.seconds >= 0, f"faults.slow_data.seconds must be >= 0, got {self.seconds}")
+        _check_until("slow_data", self.at_step, self.until_step)
 
 
 @dataclass
@@ -210,7 +278,7 @@ HANG_KINDS = ("data", "compute", "collective")
 @dataclass
 class HangFault:
     at_step: int = 0
-    """Step at which the rank hangs (0 = off); the first attempt only."""
+    """Step at which the rank hangs (0 = off)."""
     rank: int = 1
     """The rank that hangs (-1 = every rank)."""
     kind: str = "data"
@@ -234,9 +302,127 @@ class SlowCheckpointFault:
         _check(self.seconds >= 0, f"faults.slow_checkpoint.seconds must be >= 0, got {self.seconds}")
 
 
+#: Each kind's settings; a switch of FaultsConfig and a schedule entry's `kind`.
+KINDS: dict[str, type] = {
+    "diverge": DivergeFault,
+    "nonfinite": NonfiniteFault,
+    "memory_balloon": MemoryBalloonFault,
+    "straggler": StragglerFault,
+    "slow_data": SlowDataFault,
+    "crash": CrashFault,
+    "poison": PoisonFault,
+    "hang": HangFault,
+    "slow_checkpoint": SlowCheckpointFault,
+}
+
+#: Kinds that act over a window of steps ending at `until_step` (a `fault_end` record).
+_LASTING = ("memory_balloon", "straggler", "slow_data")
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """One fault of the job: a switch that is on, or a schedule entry."""
+
+    kind: str
+    fault: Any
+    source: str
+    """The setting it comes from: faults.crash, faults.schedule[3]."""
+
+    @property
+    def start(self) -> int:
+        """Its step (poison: its first data batch)."""
+        return int(self.fault.at_step)
+
+    @property
+    def rank(self) -> int:
+        """The rank it acts on (-1 = every rank); slow_checkpoint's is rank 0, which writes the file."""
+        if self.kind == "slow_checkpoint":
+            return 0
+        return int(getattr(self.fault, "rank", -1))
+
+    @property
+    def name(self) -> str:
+        """Its name in markers and log records: kind and step, unique per rank (FaultsConfig checks)."""
+        return f"{self.kind}-{'batch' if self.kind == 'poison' else 'step'}{self.start}"
+
+    @property
+    def end(self) -> int | None:
+        """First step (poison: batch) after its window; None = open (slow_checkpoint: until a save)."""
+        fault = self.fault
+        if self.kind == "nonfinite":
+            return self.start + fault.steps
+        if self.kind == "poison":
+            return self.start + fault.batches
+        if self.kind in _LASTING:
+            return fault.until_step or None
+        if self.kind == "slow_checkpoint":
+            return None
+        return self.start + 1
+
+    def covers(self, step: int) -> bool:
+        end = self.end
+        return self.start <= step and (end is None or step < end)
+
+    def describe(self) -> str:
+        """Its settings in words, for the log line that says it fired."""
+        fault, kind = self.fault, self.kind
+        until = f" until step {fault.until_step}" if kind in _LASTING and fault.until_step else ""
+        if kind == "diverge":
+            return f"learning rate x{fault.lr_factor}"
+        if kind == "nonfinite":
+            return f"{fault.steps} step(s)"
+        if kind == "memory_balloon":
+            return f"{fault.bytes} bytes{until}"
+        if kind == "straggler":
+            return f"+{fault.seconds}s per step ({fault.mode}){until}"
+        if kind == "slow_data":
+            return f"{fault.seconds}s per batch{until}"
+        if kind == "crash":
+            return f"exit {fault.exit_code}"
+        if kind == "poison":
+            return f"{fault.batches} batches of scrambled captions"
+        if kind == "hang":
+            return f"in {fault.kind}"
+        return f"+{fault.seconds}s writing the checkpoint"
+
+
+def _scheduled(index: int, entry: Any) -> tuple[str, Any]:
+    """(kind, settings) of schedule entry `index`, checked; errors name `faults.schedule[index].<key>`."""
+    where = f"faults.schedule[{index}]"
+    _check(isinstance(entry, dict), f"{where} must be a mapping with a kind, got {type(entry).__name__} {entry!r}")
+    settings = dict(entry)
+    kind = settings.pop("kind", None)
+    _check(kind is not None, f"{where}.kind is missing: one of {', '.join(KINDS)}")
+    _check(kind in KINDS, f"{where}.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    known = sorted(_entry(kind, KINDS[kind]()))
+    known.remove("kind")
+    for key in settings:
+        _check(key in known, f"unknown setting {where}.{key}; known: {', '.join(known)}")
+    if kind == "hang" and "where" in settings:  # the hang's own `kind` (its place) is `where` here
+        settings["kind"] = settings.pop("where")
+    try:
+        fault = config_from_mapping(KINDS[kind], settings, where)
+    except (TypeError, ValueError) as exc:
+        message = str(exc).replace("faults.hang.kind", f"{where}.where").replace(f"faults.{kind}.", f"{where}.")
+        if kind == "hang":  # a type error names the setting by its field, `kind`
+            message = message.replace(f"{where}.kind", f"{where}.where")
+        raise ValueError(message) from None
+    switch = "at_batch" if kind == "poison" else "at_step"
+    _check(fault.at_step >= 1, f"{where}.{switch} must be >= 1 (a scheduled fault has a step), got {fault.at_step}")
+    return kind, fault
+
+
+def _entry(kind: str, fault: Any) -> dict[str, Any]:
+    """A schedule entry with every setting spelled out (what the config hash and a checkpoint keep)."""
+    settings = asdict(fault)
+    if kind == "hang":
+        settings["where"] = settings.pop("kind")
+    return {"kind": kind, **settings}
+
+
 @dataclass
 class FaultsConfig:
-    """Fault switches (all off by default). See the module docstring."""
+    """Fault switches and a schedule (all off by default). See the module docstring."""
 
     diverge: DivergeFault = field(default_factory=DivergeFault)
     nonfinite: NonfiniteFault = field(default_factory=NonfiniteFault)
@@ -247,135 +433,222 @@ class FaultsConfig:
     poison: PoisonFault = field(default_factory=PoisonFault)
     hang: HangFault = field(default_factory=HangFault)
     slow_checkpoint: SlowCheckpointFault = field(default_factory=SlowCheckpointFault)
+    schedule: list[dict[str, Any]] = field(default_factory=list)
+    """Faults at chosen steps, any number of each kind: `- {kind: crash, at_step: 300, rank: 1}` (a list)."""
+    state_dir: str = ""
+    """Where each fired fault's marker is kept, so it fires once per job across restarts and resumes
+    ("" = `faults/` in checkpoint.dir; shared by all nodes, as that is)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.schedule, list),
+            f"faults.schedule must be a list of faults, got {type(self.schedule).__name__} {self.schedule!r}",
+        )
+        self.schedule = [_entry(*_scheduled(index, entry)) for index, entry in enumerate(self.schedule)]
+        self.events()  # refuses repeats
 
     def active(self) -> list[str]:
         """Names of the switches that are on."""
-        return [name for name in self.__dataclass_fields__ if getattr(self, name).at_step > 0]
+        return [name for name in KINDS if getattr(self, name).at_step > 0]
+
+    def events(self) -> list[FaultEvent]:
+        """Every fault of the job: the switches that are on, then the schedule's entries, in order."""
+        events = [FaultEvent(name, getattr(self, name), f"faults.{name}") for name in self.active()]
+        events += [FaultEvent(*_scheduled(i, entry), f"faults.schedule[{i}]") for i, entry in enumerate(self.schedule)]
+        for later, event in enumerate(events):
+            for earlier in events[:later]:
+                same = (earlier.kind, earlier.start) == (event.kind, event.start)
+                if same and (-1 in (earlier.rank, event.rank) or earlier.rank == event.rank):
+                    on = "every rank" if event.rank == -1 else f"rank {event.rank}"
+                    _check(False, f"{event.source} repeats {earlier.source} ({event.name} on {on}): "
+                                  "give it another step or rank")  # fmt: skip
+        return events
 
 
 class FaultInjector:
-    """Applies the configured faults for one rank. The loop calls each hook at its place."""
+    """Applies the job's faults for one rank. The loop calls each hook at its place.
 
-    def __init__(self, config: FaultsConfig, rank: int, restart_count: int | None = None) -> None:
+    `markers` is the job's record of fired faults (None: this process's memory only); `on_fire` gets each
+    `fault` and `fault_end` record (the run log's).
+    """
+
+    def __init__(
+        self,
+        config: FaultsConfig,
+        rank: int,
+        markers: FaultMarkers | None = None,
+        on_fire: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
-        self.restart_count = (
-            restart_count if restart_count is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        )
-        self._balloon: list[torch.Tensor] = []
-        self._balloon_bytes = 0
-        self._announced: set[str] = set()
+        self.markers = markers or FaultMarkers(None)
+        self.on_fire = on_fire or (lambda record: None)
+        self.events = config.events()
+        self._over = self.markers.fired()
+        """Faults this job fired before this process started: they do not act again."""
+        self._acted: dict[str, int] = {}
+        """Fault name -> the last step (poison: data batch) it acted at in this process."""
+        self._ended: set[str] = set()
+        self._balloons: dict[str, list[torch.Tensor]] = {}
+        self._hang_after_backward: int | None = None
 
-    def _mine(self, name: str, rank: int) -> bool:
-        return getattr(self.config, name).at_step > 0 and rank in (-1, self.rank)
+    def _of(self, kind: str) -> list[FaultEvent]:
+        return [e for e in self.events if e.kind == kind and e.rank in (-1, self.rank)]
 
-    def _announce(self, name: str, step: int, detail: str) -> None:
-        if name not in self._announced:
-            self._announced.add(name)
-            logger.warning("fault injection: %s on rank %d from step %d (%s)", name, self.rank, step, detail)
+    def _acts(self, event: FaultEvent, step: int) -> bool:
+        """Whether `event` acts at `step` here: in its window, not fired by an earlier attempt, and not at a
+        step it already acted at (a replay after a rollback). The first time, it fires (marker, record)."""
+        if event.name in self._over or not event.covers(step):
+            return False
+        last = self._acted.get(event.name)
+        if last is not None and step <= last:
+            return False
+        if last is None:
+            self._fire(event, step)
+        self._acted[event.name] = step
+        return True
+
+    def _fire(self, event: FaultEvent, step: int) -> None:
+        # The marker first: a crash or kill right after must not let a restarted group fire it again.
+        marker = self.markers.record(event.name, event.kind, step, self.rank)
+        unit = "data batch" if event.kind == "poison" else "step"
+        logger.warning("fault injection: %s on rank %d from %s %d (%s)", event.kind, self.rank, unit, step,
+                       event.describe())  # fmt: skip
+        self.on_fire({"type": "fault", "kind": event.kind, "name": event.name, "step": step, "rank": self.rank,
+                      "source": event.source, "attempt": marker["attempt"], "time": marker["time"]})  # fmt: skip
+
+    def _ends(self, event: FaultEvent, step: int) -> bool:
+        """Whether a lasting fault that acted here ends at `step` (once; logs a `fault_end` record)."""
+        end = event.end
+        if event.name not in self._acted or event.name in self._ended or end is None or step < end:
+            return False
+        self._ended.add(event.name)
+        logger.warning("fault injection: %s on rank %d ends at step %d", event.kind, self.rank, step)
+        self.on_fire({"type": "fault_end", "kind": event.kind, "name": event.name, "step": step, "rank": self.rank,
+                      "source": event.source, "time": round(time.time(), 3)})  # fmt: skip
+        return True
 
     # --- hooks, in the order the loop calls them ------------------------------------
 
     def slow_data(self, batches: Iterable[Any], next_step: Callable[[], int]) -> Iterator[Any]:
         """Wrap the batch iterator; delays delivery on the slow rank (inside the monitor's data timing)."""
-        fault = self.config.slow_data
         for batch in batches:
             step = next_step()
             if self._hangs("data", step):
                 _hang_in_data_loader()
-            if self._mine("slow_data", fault.rank) and step >= fault.at_step:
-                self._announce("slow_data", step, f"{fault.seconds}s per batch")
-                time.sleep(fault.seconds)
+            for event in self._of("slow_data"):
+                if self._acts(event, step):
+                    time.sleep(event.fault.seconds)
+                else:
+                    self._ends(event, step)
             yield batch
 
     def at_step_start(self, step: int, optimizer: Any, scheduler: Any) -> None:
         """Crash, memory balloon and divergence act at the start of a step."""
-        crash = self.config.crash
-        if self._mine("crash", crash.rank) and step == crash.at_step and self.restart_count == 0:
-            logger.error("fault injection: rank %d crashes at step %d (exit %d)", self.rank, step, crash.exit_code)
-            logging.shutdown()
-            os._exit(crash.exit_code)
-        balloon = self.config.memory_balloon
-        if self._mine("memory_balloon", balloon.rank) and step >= balloon.at_step:
-            self._grow_balloon(balloon, step)
-        diverge = self.config.diverge
-        if diverge.at_step > 0 and step == diverge.at_step:
-            # Every rank scales alike (the replicas must stay identical); base_lrs too, or the
-            # LambdaLR schedule would undo it at the next scheduler step.
-            self._announce("diverge", step, f"learning rate x{diverge.lr_factor}")
-            for group in optimizer.param_groups:
-                group["lr"] *= diverge.lr_factor
-            scheduler.base_lrs = [lr * diverge.lr_factor for lr in scheduler.base_lrs]
+        for event in self._of("crash"):
+            if self._acts(event, step):
+                code = event.fault.exit_code
+                logger.error("fault injection: rank %d crashes at step %d (exit %d)", self.rank, step, code)
+                logging.shutdown()
+                os._exit(code)
+        for event in self._of("memory_balloon"):
+            if self._acts(event, step):
+                self._grow_balloon(event)
+            elif self._ends(event, step):
+                self._free_balloon(event)
+        for event in self._of("diverge"):
+            if self._acts(event, step):
+                # Every rank scales alike (the replicas must stay identical); base_lrs too, or the
+                # LambdaLR schedule would undo it at the next scheduler step.
+                factor = event.fault.lr_factor
+                for group in optimizer.param_groups:
+                    group["lr"] *= factor
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
     def after_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Straggler delay and NaN loss, between forward and backward (inside compute time)."""
         if self._hangs("compute", step):
             _hang_in_compute()
-        straggler = self.config.straggler
-        if self._mine("straggler", straggler.rank) and step >= straggler.at_step:
-            self._announce("straggler", step, f"+{straggler.seconds}s per step ({straggler.mode})")
-            _spend(straggler.seconds, straggler.mode, loss.device)
-        nonfinite = self.config.nonfinite
-        if self._mine("nonfinite", nonfinite.rank) and nonfinite.at_step <= step < nonfinite.at_step + nonfinite.steps:
-            self._announce("nonfinite", step, f"{nonfinite.steps} step(s)")
-            # Multiplied, not added: backward runs and every gradient becomes NaN, as after a real
-            # overflow, and the all-reduce carries the NaN to every rank.
-            loss = loss * float("nan")
+        for event in self._of("straggler"):
+            if self._acts(event, step):
+                _spend(event.fault.seconds, event.fault.mode, loss.device)
+            else:
+                self._ends(event, step)
+        for event in self._of("nonfinite"):
+            if self._acts(event, step):
+                # Multiplied, not added: backward runs and every gradient becomes NaN, as after a real
+                # overflow, and the all-reduce carries the NaN to every rank.
+                loss = loss * float("nan")
         return loss
 
     def skips_collective(self, step: int) -> bool:
-        """Whether this rank leaves the step's gradient all-reduce out (faults.hang, kind collective); it then
+        """Whether this rank leaves the step's gradient all-reduce out (a hang of kind collective); it then
         blocks in `after_backward`."""
-        return self._hangs("collective", step)
+        if self._hangs("collective", step):
+            self._hang_after_backward = step
+            return True
+        return False
 
     def after_backward(self, step: int) -> None:
         """The rank that skipped the step's all-reduce waits elsewhere, for ever."""
-        hang = self.config.hang
-        mine = hang.kind == "collective" and step == hang.at_step and self._mine("hang", hang.rank)
-        if mine and not self.restart_count:
+        if self._hang_after_backward == step:
             _hang_outside_the_collective()
 
     def _hangs(self, kind: str, step: int) -> bool:
-        hang = self.config.hang
-        if not (self._mine("hang", hang.rank) and hang.kind == kind and step == hang.at_step):
-            return False
-        if self.restart_count:
-            return False  # a restarted group trains on, as after a real fault that a restart cleared
-        logger.error("fault injection: rank %d hangs at step %d (%s)", self.rank, step, kind)
-        return True
+        for event in self._of("hang"):
+            if event.fault.kind == kind and self._acts(event, step):
+                logger.error("fault injection: rank %d hangs at step %d (%s)", self.rank, step, kind)
+                return True
+        return False
 
     def slow_checkpoint(self, step: int, state_fn: Callable[[], Any]) -> Callable[[], Any]:
-        """`state_fn`, slowed by `seconds` if this is the slow save (rank 0 calls it, inside the save)."""
-        fault = self.config.slow_checkpoint
-        if not (fault.at_step and step >= fault.at_step and "slow_checkpoint" not in self._announced):
+        """`state_fn`, slowed if this is a slow save (rank 0 calls it, inside the save)."""
+        due = [e for e in self._of("slow_checkpoint") if e.covers(step) and e.name not in self._over]
+        if not due:
             return state_fn
-        if self.restart_count:
-            return state_fn  # a restarted group saves at normal speed, as after crash and hang
-        self._announce("slow_checkpoint", step, f"+{fault.seconds}s writing the checkpoint")
 
         def slowed() -> Any:
-            time.sleep(fault.seconds)  # the filesystem's delay: a real wait, as a slow write is
+            seconds = sum(e.fault.seconds for e in due if self._acts(e, step))
+            self._over.update(e.name for e in due)  # the first save at or after its step only
+            time.sleep(seconds)  # the filesystem's delay: a real wait, as a slow write is
             return state_fn()
 
         return slowed
 
     def poison(self, data_batch: int, micro_batches: list[Any]) -> list[Any]:
-        """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in the poisoned stretch."""
-        fault = self.config.poison
-        if not (self._mine("poison", fault.rank) and fault.at_batch <= data_batch < fault.at_batch + fault.batches):
+        """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in a poisoned stretch."""
+        hit = [e for e in self._of("poison") if e.covers(data_batch)]
+        if not hit:
             return micro_batches
-        self._announce("poison", data_batch, f"{fault.batches} batches of scrambled captions from data batch")
+        for event in hit:  # marked and logged the first time only; the data stays bad when replayed
+            if event.name not in self._over and event.name not in self._acted:
+                self._fire(event, data_batch)
+                self._acted[event.name] = data_batch
         return [_scrambled(batch) for batch in micro_batches]
 
-    def _grow_balloon(self, balloon: MemoryBalloonFault, step: int) -> None:
-        missing = balloon.bytes - self._balloon_bytes
+    def _grow_balloon(self, event: FaultEvent) -> None:
+        balloon: MemoryBalloonFault = event.fault
+        held = self._balloons.setdefault(event.name, [])
+        missing = balloon.bytes - sum(t.numel() for t in held)
         if missing <= 0:
             return
         chunk = min(missing, balloon.step_bytes) if balloon.step_bytes else missing
-        self._announce("memory_balloon", step, f"{balloon.bytes} bytes")
         # torch.ones writes every page, so the memory is resident, not just reserved.
-        self._balloon.append(torch.ones(chunk, dtype=torch.uint8))
-        self._balloon_bytes += chunk
+        held.append(torch.ones(chunk, dtype=torch.uint8))
+
+    def _free_balloon(self, event: FaultEvent) -> None:
+        self._balloons.pop(event.name, None)  # the last references: the tensors are freed here
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to hand its freed heap memory back to the OS (large chunks are unmapped anyway); elsewhere
+    a no-op, and the resident size may stay up."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _hang_in_data_loader() -> None:

@@ -1,6 +1,7 @@
 """What a person (and a test) reads: a progress line every N steps and an optional JSONL log.
 
-Only rank 0 keeps a log. Per-step loss and accuracy stay device tensors
+Only rank 0 keeps a log, but for fault injection's records, which the rank that fires a fault writes
+into the same file (rankscope_trainer.faults). Per-step loss and accuracy stay device tensors
 until the next log line, where they become numbers in one transfer: the
 log costs one sync per `log_every` steps, not one per step.
 
@@ -11,6 +12,11 @@ validation, and events (`start`, `resume`, `checkpoint`, `checkpoint_failed`, `a
 `action`, `source`, `result`, `reason`, `detail`, `step`) stamped with the time it was settled, not
 the time it was written: a pause is logged once the loop resumes, with the pause's own time.
 Non-finite numbers are written as null (JSON has no NaN).
+
+Fault records, from any rank: `{"type": "fault", "kind", "name", "step", "rank", "source", "attempt",
+"time"}` when an injected fault fires (before it acts; `step` is the data batch for poison), and
+`{"type": "fault_end", ...}` when a fault with an `until_step` ends. Every append is one write to a file
+opened for appending, so records of two ranks never interleave within a line.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class ProgressLog:
     def __init__(self, path: str, enabled: bool, max_steps: int, samples_per_step: int) -> None:
         self.enabled = enabled
         self.path = Path(path) if path and enabled else None
+        self.fault_path = Path(path) if path else None
+        """Where this rank writes its fault records (every rank)."""
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_steps = max_steps
@@ -92,6 +100,12 @@ class ProgressLog:
         if self.enabled:
             self.write_records([{"type": kind, **fields}])
 
+    def fault(self, record: dict[str, Any]) -> None:
+        """A fault injection's record (any rank), written at once."""
+        if self.fault_path is not None:
+            self.fault_path.parent.mkdir(parents=True, exist_ok=True)
+            _append(self.fault_path, [record])
+
     def actions(self, recent: list[dict[str, Any]]) -> None:
         """An `action` record for each newly settled control action of `recent` (the control queue's
         outcomes, oldest first), stamped with its own settle time."""
@@ -109,9 +123,17 @@ class ProgressLog:
     def write_records(self, records: Any) -> None:
         if self.path is None or not records:
             return
-        now = time.time()
-        with self.path.open("a") as handle:
-            for record in records:
-                # A record that carries its own time (an action's settle time) keeps it.
-                stamp = record.get("time") if isinstance(record.get("time"), int | float) else now
-                handle.write(json.dumps({**record, "time": round(stamp, 3)}) + "\n")
+        _append(self.path, records)
+
+
+def _append(path: Path, records: Any) -> None:
+    """Append `records` as JSON lines in one write (another rank's fault record never lands mid-line)."""
+    now = time.time()
+    lines = []
+    for record in records:
+        # A record that carries its own time (an action's settle time, a fault's) keeps it.
+        stamp = record.get("time") if isinstance(record.get("time"), int | float) else now
+        lines.append(json.dumps({**record, "time": round(stamp, 3)}) + "\n")
+    if lines:
+        with path.open("ab", buffering=0) as handle:
+            handle.write("".join(lines).encode())

@@ -47,6 +47,7 @@ from rankscope_trainer import _extra  # noqa: F401 - first: the trainer extra's 
 from rankscope_trainer.checkpoint import CHECKPOINT_FORMAT, Checkpointer, CheckpointError, read_checkpoint
 from rankscope_trainer.config import TrainConfig
 from rankscope_trainer.data import Batch, DataError, build_data, settle_bad_samples
+from rankscope_trainer.fault_markers import FaultMarkers
 from rankscope_trainer.faults import FaultInjector
 from rankscope_trainer.logbook import ProgressLog
 from rankscope_trainer.metrics import TRAINER_METRICS
@@ -135,10 +136,12 @@ class Trainer:
         self.amp_dtype = self._amp_dtype()
         self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype is torch.float16)
         self.monitor.watch(self.model, self.optimizer)
-        self.faults = FaultInjector(cfg.faults, self.rt.rank)
         self.micro_batch = cfg.data.batch_size
         self.accumulation = cfg.data.accumulation_steps
         self.log = ProgressLog(run.log_file, self.rt.is_main, run.max_steps, self.step_samples * self.rt.world_size)
+        # Before the collective that starts training (_control_channel): every rank reads the same fired faults.
+        markers = FaultMarkers(cfg.faults.state_dir or Path(cfg.checkpoint.dir) / "faults", self.checkpoints.lineage)
+        self.faults = FaultInjector(cfg.faults, self.rt.rank, markers, on_fire=self.log.fault)
 
         self.step = 0
         self.epoch = 0
