@@ -180,6 +180,11 @@ class Tunables:
     nonfinite_action: str = "reduce_lr"
     """What non-finite steps ask the trainer for: reduce_lr, or rollback (weights a NaN already reached come
     back from the checkpoint)."""
+    nonfinite_clear_window: str = "1m"
+    """The alert holds only while the run had a non-finite step within this range, and not within this range
+    after its action was applied: it resolves this long after the steps are finite again, and at once when the
+    trainer has acted (non-finite steps a whole range after the action fire it again). Keep it >= 2 scrape
+    intervals."""
     loss_scale_min: float = 1.0
     """A GradScaler's loss scale below this has collapsed: fp16 cannot represent the gradients even unscaled."""
     loss_scale_overflow_share: float = 0.05
@@ -277,6 +282,13 @@ class Tunables:
     rank_down_lookback: str = "30m"
     """A down target counts as a rank of a live run if it served metrics within this range and its last
     `rankscope_run_finished` there was not 1."""
+    live_window: str = "1m"
+    """A run has ended when none of its ranks served metrics within this range, or every rank that did said it
+    finished (rankscope_run_finished 1): an ended run raises no alert but RankscopeRankDown. Keep it >= 2 scrape
+    intervals."""
+    ended_lookback: str = "1h"
+    """How far back a run's series make it a run that ended (rather than one never seen); keep it >= the longest
+    window an alert reads (checkpoint_failure_window)."""
     paused_for: str = "30m"
     paused_severity: str = "info"
 

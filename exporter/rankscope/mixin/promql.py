@@ -62,6 +62,14 @@ def counted_in_window(counter: str, window: str) -> str:
     return f"({growth} < {spread}) or {spread}"
 
 
+def applied(action: str, window: str) -> str:
+    """Runs whose trainer applied `action` within `window` (rank 0 counts each settled action once). The
+    counter's series is born at its first increase, which increase() cannot see: a series that is there now
+    and was not `window` ago counts too."""
+    done = f'{metric_name("control_actions_total")}{{action="{action}", result="applied"}}'
+    return f"max by ({RUN}) (\n  increase({done}[{window}]) > 0\n  or\n  ({done} unless {done} offset {window})\n)"
+
+
 def rate_by(by: str, series: str, window: str, matchers: str = "") -> str:
     return f"sum by ({by}) (rate({series}{matchers}[{window}]))"
 
@@ -105,6 +113,8 @@ LOSS_CHANGE_STEPS = 1000
 LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
 # liveness
 PAUSED_MAX = f"run:{metric_name('paused')}:max"
+RUN_FINISHED_RECENT = f"run:{metric_name('run_finished')}:min_recent"
+RUN_ENDED = f"run:{metric_name('run_finished')}:ended"
 # hangs
 HANG_STEP_SECONDS = f"run:{metric_name('step_duration_seconds')}:hang_reference_mean"
 HANG_THRESHOLD = f"run:{metric_name('last_step_timestamp_seconds')}:hang_threshold_seconds"

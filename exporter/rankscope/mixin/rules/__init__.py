@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import textwrap
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -30,7 +31,7 @@ from typing import Any
 
 from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.promql import recorded_names
+from rankscope.mixin.promql import RUN, RUN_ENDED, recorded_names
 
 __all__ = ["Alert", "Area", "alerts", "areas", "groups", "recording_rules", "render"]
 
@@ -49,9 +50,16 @@ class Alert:
     summary: str
     description: str
     action: str = ""
+    ended_runs: bool = False
+    """Whether it may fire for a run that has ended (RUN_ENDED: it finished, or no rank of it serves metrics):
+    only the alert for a rank that vanished does. Every other alert of an ended run resolves, and old runs in
+    the TSDB (a Prometheus restarted over its data) raise nothing."""
 
     def to_rule(self, t: Tunables) -> dict[str, Any]:
-        rule: dict[str, Any] = {"alert": self.name, "expr": self.expr}
+        expr = self.expr
+        if not self.ended_runs:
+            expr = f"(\n{textwrap.indent(expr, '  ')}\n)\nunless on ({RUN})\n{RUN_ENDED}"
+        rule: dict[str, Any] = {"alert": self.name, "expr": expr}
         if self.for_ not in ("0s", "0m"):
             rule["for"] = self.for_
         labels = {"severity": self.severity}

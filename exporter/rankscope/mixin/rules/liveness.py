@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.promql import PAUSED_MAX, RANK, RUN, metric_name, num
+from rankscope.mixin.promql import PAUSED_MAX, RANK, RUN, RUN_ENDED, RUN_FINISHED_RECENT, metric_name, num
 from rankscope.mixin.rules import RANK_TEXT, Alert
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
-    """Whether a run is paused (several alerts, here and in other areas, exclude paused runs)."""
-    return [{"record": PAUSED_MAX, "expr": f"max by ({RUN}) ({metric_name('paused')})"}]
+    """Whether a run is paused (several alerts, here and in other areas, exclude paused runs), and whether it
+    has ended (every alert but RankscopeRankDown excludes ended runs: rankscope.mixin.rules.Alert)."""
+    finished = metric_name("run_finished")
+    return [
+        {"record": PAUSED_MAX, "expr": f"max by ({RUN}) ({metric_name('paused')})"},
+        # 0 while a rank that served metrics within the window says it is running, 1 when every such rank said
+        # it finished, absent when none served any. A range, not an instant read: after a restart Prometheus
+        # writes no staleness markers for targets gone meanwhile, and their last samples read as present for 5m.
+        {"record": RUN_FINISHED_RECENT, "expr": f"min by ({RUN}) (last_over_time({finished}[{t.live_window}]))"},
+        # A run seen within the lookback that no running rank stands for: finished, or vanished.
+        {
+            "record": RUN_ENDED,
+            "expr": f"max by ({RUN}) (last_over_time({RUN_FINISHED_RECENT}[{t.ended_lookback}])) * 0 + 1\n"
+            f"unless on ({RUN})\n"
+            f"({RUN_FINISHED_RECENT} == 0)",
+        },
+    ]
 
 
 def alerts(t: Tunables) -> list[Alert]:
@@ -46,6 +61,7 @@ def alerts(t: Tunables) -> list[Alert]:
             "A rank of a live run cannot be scraped.",
             f"Prometheus cannot scrape {RANK_TEXT} at {{{{ $labels.instance }}}} for {t.rank_down_for}. The process "
             "died or hangs so badly it cannot serve metrics; the other ranks will stall in their next collective.",
+            ended_runs=True,  # a run whose ranks all vanished has ended: this is its alert
         ),
         Alert(
             "RankscopeRunPaused",

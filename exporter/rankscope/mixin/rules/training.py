@@ -11,6 +11,7 @@ from rankscope.mixin.promql import (
     ONE_PER_NODE,
     RUN,
     STEPS_RATE,
+    applied,
     counted_in_window,
     metric_name,
     num,
@@ -55,13 +56,20 @@ def alerts(t: Tunables) -> list[Alert]:
             "RankscopeNonFiniteSteps",
             # Every rank counts the steps it saw go non-finite (a NaN on one rank reaches all through the
             # all-reduce); the run's count is the highest, pre-aggregated once at the head of this group.
-            f"({counted_in_window(NONFINITE_MAX, t.nonfinite_window)}) > {num(t.nonfinite_steps)}",
+            # It holds while they go on (one within the clear window), and the trainer's action, once applied,
+            # gets that window to work: non-finite steps a whole window after it fire the alert again.
+            f"({counted_in_window(NONFINITE_MAX, t.nonfinite_window)}) > {num(t.nonfinite_steps)}\n"
+            f"and on ({RUN})\n"
+            f"increase({NONFINITE_MAX}[{t.nonfinite_clear_window}]) > 0\n"
+            f"unless on ({RUN})\n"
+            f"{applied(t.nonfinite_action, t.nonfinite_clear_window)}",
             t.nonfinite_for,
             t.nonfinite_severity,
             f"Training steps produce NaN or infinite loss or gradients; {nonfinite}.",
             'Run {{ $labels.run_id }} had {{ $value | printf "%.0f" }} steps with a non-finite loss or gradient '
-            f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires). "
-            f"{sentence(nonfinite_said)}; check that the loss recovers.",
+            f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires), the latest within "
+            f"{t.nonfinite_clear_window}. {sentence(nonfinite_said)}; the alert resolves once it has, or once no step "
+            f"has been non-finite for {t.nonfinite_clear_window}.",
             t.nonfinite_action,
         ),
         Alert(
