@@ -228,6 +228,19 @@ def test_small_multiples_give_every_one_of_64_ranks_a_panel_and_frame_the_stragg
     _not_blank(figure)
 
 
+def test_with_two_ranks_each_panels_grey_reference_is_the_other_rank_drawn_over_its_own_line() -> None:
+    compute = _compute(2, slow=1)
+    figure = plots.rank_small_multiples_figure(compute, AXIS, straggler(compute))
+    for axis, other in zip(figure.axes[:2], reversed(compute), strict=True):
+        grey = [line for line in axis.get_lines() if mcolors.to_hex(line.get_color()) == "#777777"]
+        own = [line for line in axis.get_lines() if line not in grey]
+        assert len(grey) == 1, "one grey reference line per panel"
+        # The median of two ranks is their mean: a line hidden between the two. The other ranks' median is not.
+        assert np.allclose(grey[0].get_ydata(), other.v)
+        assert grey[0].get_zorder() > max(line.get_zorder() for line in own), "the reference is drawn under"
+    assert "grey: the median of the other ranks" in _texts(figure)
+
+
 def test_the_heat_map_holds_every_rank_and_shows_the_straggler_above_one() -> None:
     compute = _compute(16, slow=5, factor=3.0)
     figure = plots.rank_heatmap_figure(compute, AXIS)

@@ -533,6 +533,19 @@ def _rank_colorbar(figure: Figure, axes: Any, colors: dict) -> None:
     bar.set_ticks(np.linspace(0, len(ranks) - 1, min(len(ranks), 9)).round())
 
 
+#: The grey of a reference line (the other ranks' median).
+REFERENCE = "#777777"
+
+
+def _nanmedian(values: np.ndarray) -> np.ndarray:
+    """The median down the rows, NaN (without a warning) where a column has no number."""
+    import warnings
+
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmedian(values, axis=0)
+
+
 def _grid(count: int) -> tuple[int, int]:
     columns = min(count, 8 if count <= 64 else 16)
     return math.ceil(count / columns), columns
@@ -559,12 +572,9 @@ def rank_small_multiples_figure(
     colors = rank_colors([s.rank for s in ranked])  # type: ignore[misc]
     times = times_union(ranked)
     values = np.vstack([s.at(times) for s in ranked])
-    with np.errstate(all="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            median = np.nanmedian(values, axis=0)
+    # Beyond 64 ranks one rank hardly moves the median, and a median per rank would cost a median per rank.
+    exclusive = len(ranked) <= 64
+    everyone = None if exclusive else _nanmedian(values)
     slow = straggler.rank if straggler is not None and straggler.stands_out else None
     small = len(ranked) > 64
     for index, axis in enumerate(axes.ravel()):
@@ -572,8 +582,12 @@ def rank_small_multiples_figure(
             axis.set_visible(False)
             continue
         s = ranked[index]
-        axis.plot(axis_x.x(times), median, color="#aaaaaa", lw=0.8)
         axis.plot(axis_x.x(s.t), s.v, color=colors[s.rank], lw=0.9 if small else 1.1)
+        if len(ranked) > 1:
+            # The other ranks' median (the straggler's measure), dashed over the rank's own line: with two ranks
+            # the median of all would be their mean, a line hidden between the two.
+            others = _nanmedian(np.delete(values, index, axis=0)) if everyone is None else everyone
+            axis.plot(axis_x.x(times), others, color=REFERENCE, lw=0.9, ls=(0, (3, 2)), zorder=3)
         axis.grid(False)
         axis.set_title(f"rank {s.rank}", fontsize=6.5 if small else 8, loc="left", pad=1.5,
                        color=FIRING if s.rank == slow else "#333333",
@@ -589,7 +603,8 @@ def rank_small_multiples_figure(
     axis_x.apply(axes[-1][0], label=False)
     axes[-1][0].xaxis.set_major_locator(ticker.MaxNLocator(3))
     figure.suptitle(
-        f"Compute time, rank by rank ({len(ranked)} ranks; grey: the median over ranks"
+        f"Compute time, rank by rank ({len(ranked)} ranks; grey: the median of "
+        + ("the other ranks" if exclusive else "all ranks")
         + (f"; red frame: straggler rank {slow})" if slow is not None else ")"),
         fontsize=10, fontweight="bold", x=0.01, ha="left",
     )  # fmt: skip
@@ -769,12 +784,7 @@ def _plot_host_load(axis: Axes, inputs: ResourceInputs, axis_x: TimeAxis, marks:
     if inputs.step_time:
         twin = axis.twinx()
         times = times_union(inputs.step_time)
-        with np.errstate(all="ignore"):
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                median = np.nanmedian(np.vstack([s.at(times) for s in inputs.step_time]), axis=0)
+        median = _nanmedian(np.vstack([s.at(times) for s in inputs.step_time]))
         twin.plot(axis_x.x(times), median, color="#1f77b4", lw=1.0, ls="--", label="step time (median over ranks)")
         finite = [float(v) for v in median if math.isfinite(v)]
         seconds_axis(twin, finite, "step time (dashed)")
