@@ -30,6 +30,8 @@ from rankscope.report.prom import Prometheus
 
 #: The alert that names a hung rank (its `rank` label): the stack shown after a restart is that rank's.
 HANG_ALERT = "RankscopeRankHung"
+#: Per rank: the Unix time of its last completed step, and that step.
+LAST_STEP_TIME, GLOBAL_STEP = "rankscope_last_step_timestamp_seconds", "rankscope_global_step"
 #: Frames of the suspect rank's stack the demo prints after a restart (the whole file is beside the checkpoints).
 STACK_FRAMES = 8
 #: Frames that say how Python started the program, never why it waits.
@@ -169,6 +171,8 @@ class Narrator:
         # The trainer appends to its run log across launches: this run's records are those after its end now.
         self._log = RunLogTail(run_log) if run_log is not None else None
         self._rounds = 0
+        self._hang_seen: float | None = None  # when this run's hang alert was seen firing, its last step not yet read
+        self._hang: tuple[float, int | None] | None = None  # (time, step) of the last step before the hang
         self._stacks_dir = stacks_dir
         self._stacks_due = False  # a restart was seen and its stacks not yet said
         self._suspect: str | None = None  # the rank this run's hang alert named
@@ -198,6 +202,11 @@ class Narrator:
             self.on_status(status)
         self.on_alerts(self._prometheus.api("/api/v1/alerts")["alerts"])
         self.on_status(status or self._status())
+        if self._hang_seen is not None:
+            query = f'{{__name__=~"{LAST_STEP_TIME}|{GLOBAL_STEP}", run_id="{self.run_id}"}}'
+            self.on_progress(
+                self._prometheus.api("/api/v1/query", {"query": query, "time": f"{self._hang_seen:.3f}"})["result"]
+            )
         self._report_loss_after()
         self._rounds += 1
 
@@ -214,8 +223,9 @@ class Narrator:
         }
         for key in sorted(set(firing) - self._firing):
             labels = firing[key]["labels"]
-            if labels["alertname"] == HANG_ALERT and "rank" in labels:
-                self._suspect = labels["rank"]
+            if labels["alertname"] == HANG_ALERT:
+                self._suspect = labels.get("rank")
+                self._hang_seen = time.time()  # the last step before it is read from Prometheus as of now
             act = f"; action {labels['action']}" if "action" in labels else ""
             self._say(stamped(f"alert {key[0]} firing ({key[1]}, severity {labels.get('severity', '?')}{act})"))
         for key in sorted(self._firing - set(firing)):
@@ -246,6 +256,11 @@ class Narrator:
                 self._after.append(record)
             if record["action"] == "restart":
                 self._stacks_due = True
+                if record["status"] == "applied" and self._hang is not None:  # settled at its first step
+                    (done_at, done), self._hang = self._hang, None
+                    self._say(stamped(f"  hang to training again: {at - done_at:.1f}s, from the last step before "
+                                      f"the hang (step {done} at {_clock(done_at)}) to the restarted group's first "
+                                      f"(step {record['step']})", at))  # fmt: skip
         if self._stacks_due:
             self._say_stacks()
 
@@ -269,6 +284,17 @@ class Narrator:
         self._say(f"  rank {rank}'s stack ({why}), innermost frame last:")
         for line in innermost_frames(answers[rank], STACK_FRAMES):
             self._say(f"    {line}")
+
+    def on_progress(self, vector: list[dict]) -> None:
+        """The hang's first sign, once its alert fired: the last step any rank completed before it, from an
+        instant vector of LAST_STEP_TIME and GLOBAL_STEP as of the alert. The time to training again is
+        measured from there (the user waits from the hang, not from its alert)."""
+        latest = latest_step(vector)
+        if self._hang_seen is None or latest is None:
+            return
+        alert_at, self._hang_seen, self._hang = self._hang_seen, None, latest
+        self._say(stamped(f"  the hang's first sign: the last step completed was step {latest[1]} at "
+                          f"{_clock(latest[0])}, {alert_at - latest[0]:.1f}s before the alert was seen"))  # fmt: skip
 
     def _report_loss_after(self) -> None:
         """Once the log holds the steps after an applied action: its loss over the steps before against after."""
@@ -345,6 +371,28 @@ def loss_windows(records: list[dict], action: dict, n: int) -> tuple[list[dict],
     if len(after) < n:
         return None
     return [r for _, r in train[max(0, k + 1 - n) : k + 1]], after
+
+
+def latest_step(vector: list[dict]) -> tuple[float, int | None] | None:
+    """(time, step) of the latest step any rank completed, from an instant vector (Prometheus's
+    /api/v1/query `result`) of LAST_STEP_TIME and GLOBAL_STEP; None without a completed step."""
+    times: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for sample in vector:
+        labels, value = sample["metric"], float(sample["value"][1])
+        rank = labels.get("rank", "")
+        if labels.get("__name__") == LAST_STEP_TIME and value > 0:
+            times[rank] = value
+        elif labels.get("__name__") == GLOBAL_STEP and math.isfinite(value):
+            steps[rank] = int(value)
+    if not times:
+        return None
+    rank = max(times, key=lambda r: times[r])
+    return times[rank], steps.get(rank)
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))
 
 
 def innermost_frames(answer: dict, count: int) -> list[str]:
