@@ -51,3 +51,30 @@ def test_the_recovery_variant_passes_when_generated_and_copied_as_its_header_say
     result = subprocess.run([promtool, "test", "rules", RECOVERY_VARIANT.name], cwd=target,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, f"as {RECOVERY_VARIANT.name} says, promtool fails:\n{result.stdout}{result.stderr}"
+
+
+def test_a_run_log_written_as_docs_report_md_says_is_read_as_it_says(tmp_path: Path):
+    from rankscope.report.incidents import find_incidents
+    from rankscope.report.runlog import read_run_log
+
+    page = (REPO / "docs" / "report.md").read_text()
+    section = page.split("## A loop of your own", 1)[1]
+    example = re.search(r"```jsonl\n(.*?)```", section, flags=re.S)
+    assert example, "docs/report.md: no example run log under 'A loop of your own'"
+    (tmp_path / "log.jsonl").write_text(example.group(1))
+    log = read_run_log(tmp_path / "log.jsonl")
+
+    train = log.train()
+    assert list(train["step"]) == [1, 2, 3] and list(train["lr"]) == [0.001, 0.001, 0.0005]
+    assert len(log.val()["step"]) == 1
+    end = max(r["time"] for r in log.records) + 1
+    found = find_incidents([], [], interval=1.0, end=end, log=log)
+    assert [step for _, step in found.nonfinite] == [2]  # a null loss is a non-finite step, by number
+    # The action record is the exact outcome (the learning rate's drop in the train records is not counted again);
+    # the alert's checkpoint is an action of its own.
+    actions = {(a.action, a.source, a.result, a.step, a.reason) for a in found.actions}
+    assert actions == {
+        ("reduce_lr", "operator", "applied", 2, "operator:loss spiking"),
+        ("checkpoint", "alert", "applied", 3, "alert:RankscopeHostMemoryHigh"),
+    }, actions
+    assert [reason for _, reason in found.checkpoints] == ["alert:RankscopeHostMemoryHigh"]
