@@ -49,8 +49,8 @@ def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_fal
                               warmup_steps=5)  # fmt: skip
     nonfinite, hang = schedule
     records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, hang.at_step + 40)]]
-    records += [{"type": "fault", "id": nonfinite.id, "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
-                {"type": "fault", "id": hang.id, "step": hang.at_step, "time": hang.at_step - 0.5},
+    records += [{"type": "fault", "kind": "nonfinite", "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
+                {"type": "fault", "kind": "hang", "step": hang.at_step, "time": hang.at_step - 0.5},
                 {"type": "action", "action": "reduce_lr", "result": "applied", "step": nonfinite.at_step + 4,
                  "reason": "alert:RankscopeNonFiniteSteps", "time": nonfinite.at_step + 4.0}]  # fmt: skip
     alerts = [

@@ -123,17 +123,16 @@ def _final_val(arm: ArmRecord) -> tuple[float | None, int | None]:
 
 
 def _injected_at(fault: Fault, arm: ArmRecord) -> float | None:
-    """When the fault began: the trainer's `fault` record, or the runner's own clock for the faults it plays."""
+    """When the fault began: the trainer's `fault` record (written by the rank that fired it, before it acts),
+    or the runner's own clock for the faults it plays."""
     for event in arm.runner_events:
         if event.get("id") == fault.id:
             return float(event["time"])
-    for record in arm.records:
-        if record.get("type") == "fault" and record.get("id") == fault.id:
-            return float(record["time"])
-    for record in arm.records:  # a trainer that names faults by kind and step only
-        if record.get("type") == "fault" and record.get("step") == fault.at_step:
-            return float(record["time"])
-    return None
+    kind = (fault.trainer_entry() or {}).get("kind")
+    fired = [
+        r for r in arm.records if r.get("type") == "fault" and (r.get("kind"), r.get("step")) == (kind, fault.at_step)
+    ]
+    return min(float(r["time"]) for r in fired) if fired else None
 
 
 def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | None, target: float | None) -> ArmSummary:

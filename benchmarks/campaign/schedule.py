@@ -64,7 +64,7 @@ KINDS: tuple[Kind, ...] = (
          trainer={"kind": "slow_checkpoint", "seconds": 15.0}, detect_seconds=0, needs_operator=False,
          effect_seconds=30),
     Kind("hang_data", "rank 1's data loader never delivers", "RankscopeRankHung", True,
-         also=("RankscopeRunStalled",), trainer={"kind": "hang", "hang_kind": "data"}, detect_seconds=12,
+         also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "data"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
     Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
          trainer={"kind": "poison", "batches": 400}, detect_seconds=150, effect_seconds=60),
@@ -74,7 +74,7 @@ KINDS: tuple[Kind, ...] = (
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
          effect_seconds=30),
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
-         also=("RankscopeRunStalled",), trainer={"kind": "hang", "hang_kind": "collective"}, detect_seconds=12,
+         also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "collective"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
     Kind("kill9", "rank 1 killed with SIGKILL", None, False, by_runner=True, detect_seconds=0,
          needs_operator=False, restarts=1, effect_seconds=60),
@@ -100,8 +100,6 @@ class Fault:
         if self.kind.by_runner:
             return None
         entry = dict(self.kind.trainer)
-        if "hang_kind" in entry:
-            entry["kind"], entry["hang_kind"] = "hang", entry["hang_kind"]
         entry["at_step" if entry["kind"] != "poison" else "at_batch"] = self.at_step
         if entry["kind"] not in ("diverge", "slow_checkpoint", "poison"):
             entry["rank"] = self.rank
