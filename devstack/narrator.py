@@ -58,12 +58,21 @@ class PagerSink:
 
     The demo's derived Alertmanager config points `pager:9095` (compose's service name, which does not
     resolve outside compose) here, so a page is shown instead of failing on a DNS lookup. With a `run_id`,
-    pages of other runs (an earlier demo's, whose data Prometheus keeps in .stack/) are not said."""
+    pages of other runs (an earlier demo's, whose data Prometheus keeps in .stack/) are not said. A resolved
+    notice names what the loop applied for that alert, as `fix_for` (the narrator's) tells it."""
 
-    def __init__(self, say: Callable[[str], None], port: int = 0, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        say: Callable[[str], None],
+        port: int = 0,
+        run_id: str | None = None,
+        fix_for: Callable[[str], str | None] | None = None,
+    ) -> None:
         sink = self
         self._say = say
         self.run_id = run_id
+        self.fix_for = fix_for
+        """alertname -> the action the loop applied for it ("reduce_lr applied at step 371"), or None."""
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
@@ -89,8 +98,18 @@ class PagerSink:
             labels = alert.get("labels", {})
             if not _of_run(labels, self.run_id):
                 continue
-            state = "resolved" if alert.get("status") == "resolved" else "firing"
-            self._say(stamped(f"page sent: {labels.get('alertname', '?')} {state} ({_describe(labels)})"))
+            name = labels.get("alertname", "?")
+            if alert.get("status") != "resolved":
+                self._say(stamped(f"page sent: {name} firing ({_describe(labels)})"))
+                continue
+            fix = self.fix_for(name) if self.fix_for is not None else None
+            if fix is not None:
+                outcome = f": fixed by the loop: {fix}"
+            elif "action" in labels:
+                outcome = f": the loop applied no {labels['action']} for it"
+            else:
+                outcome = ""
+            self._say(stamped(f"page sent: {name} resolved ({_describe(labels)}){outcome}"))
 
     def close(self) -> None:
         self._server.shutdown()
@@ -168,6 +187,7 @@ class Narrator:
         self._firing: set[tuple[str, str]] = set()
         self._settled: set[str] = set()
         self._after: list[dict] = []  # applied actions whose loss before/after is still to say
+        self._fixes: dict[str, str] = {}  # alertname -> the action last applied for it, as the pager's notice says
         # The trainer appends to its run log across launches: this run's records are those after its end now.
         self._log = RunLogTail(run_log) if run_log is not None else None
         self._rounds = 0
@@ -252,6 +272,10 @@ class Narrator:
                     at,
                 )
             )
+            if record["status"] == "applied" and record["reason"].startswith("alert:"):
+                self._fixes[record["reason"].removeprefix("alert:")] = (
+                    f"{record['action']} applied at step {record['step']}"
+                )
             if record["status"] == "applied" and record["action"] in TRAINING_ACTIONS and self._log is not None:
                 self._after.append(record)
             if record["action"] == "restart":
@@ -263,6 +287,10 @@ class Narrator:
                                       f"(step {record['step']})", at))  # fmt: skip
         if self._stacks_due:
             self._say_stacks()
+
+    def fix_for(self, alertname: str) -> str | None:
+        """The action this run's loop last applied for an alert ("reduce_lr applied at step 371"), if any."""
+        return self._fixes.get(alertname)
 
     def _say_stacks(self) -> None:
         """The stacks the restart wrote beside the checkpoints (this run's newest): the one-line summary of

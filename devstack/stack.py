@@ -305,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
         narrator = Narrator(f"http://127.0.0.1:{ports.prometheus}", f"{scheme}://127.0.0.1:{ports.control}",
                             token.read_text().strip(), stacks_dir=checkpoint_dir(args, run_dir),
                             run_id=args.run_id, run_log=run_dir / "log.jsonl")  # fmt: skip
+        if pager is not None:
+            pager.fix_for = narrator.fix_for  # a resolved notice names what the loop applied for its alert
         # The trainer writes to this terminal: its progress lines are the demo's output.
         trainer = children.start("trainer", _trainer_argv(args, ports, run_dir, token), cwd=REPO)
         print(_banner(ports, args.nproc, run_dir, token, args.run_id), flush=True)

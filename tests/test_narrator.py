@@ -297,3 +297,64 @@ def test_a_hang_is_timed_from_its_last_completed_step_to_the_restarted_groups_fi
         f": 42.5s, from the last step before the hang (step 299 at {time.strftime('%H:%M:%S', time.localtime(last))}) "
         "to the restarted group's first (step 201)"
     ), lines
+
+
+def _webhook(status: str, labels: dict, ends_at: str = "0001-01-01T00:00:00Z") -> dict:
+    """An Alertmanager webhook body (version 4) for one alert, as the pager receiver gets it."""
+    return {
+        "version": "4",
+        "groupKey": f'{{}}/{{severity="page"}}:{{alertname="{labels["alertname"]}", run_id="{labels["run_id"]}"}}',
+        "truncatedAlerts": 0,
+        "status": status,
+        "receiver": "pager",
+        "groupLabels": {"alertname": labels["alertname"], "run_id": labels["run_id"]},
+        "commonLabels": labels,
+        "commonAnnotations": {"summary": "non-finite loss on rank 0"},
+        "externalURL": "http://127.0.0.1:9093",
+        "alerts": [
+            {
+                "status": status,
+                "labels": labels,
+                "annotations": {"summary": "non-finite loss on rank 0"},
+                "startsAt": "2026-12-04T05:01:02.123Z",
+                "endsAt": ends_at,
+                "generatorURL": "http://127.0.0.1:9090/graph?g0.expr=...",
+                "fingerprint": "c2a1a1d34d0e8f3b",
+            }
+        ],
+    }
+
+
+def _post(url: str, body: dict) -> int:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.status
+
+
+def test_the_pager_says_the_page_then_the_resolved_notice_naming_the_loops_fix():
+    """Issue 34: for an incident the loop fixed by itself the on-call story is a page, then a resolved
+    notice. The pager sink says both; the notice names the action the loop applied for that alert."""
+    from devstack.narrator import Narrator, PagerSink
+
+    lines: list[str] = []
+    narrator = Narrator("http://127.0.0.1:1", "http://127.0.0.1:1", "t", say=lines.append, run_id="r")
+    sink = PagerSink(lines.append, run_id="r", fix_for=narrator.fix_for)
+    labels = {"alertname": "RankscopeNonFiniteSteps", "run_id": "r", "rank": "0", "severity": "page",
+              "action": "reduce_lr"}  # fmt: skip
+    try:
+        assert _post(sink.url + "/", _webhook("firing", labels)) == 200
+        narrator.on_status(_status("r", [_record("reduce_lr", 371, "alert:RankscopeNonFiniteSteps")]))
+        assert _post(sink.url + "/", _webhook("resolved", labels, "2026-12-04T05:03:40.5Z")) == 200
+        other = {**labels, "alertname": "RankscopeRankImbalance", "action": "checkpoint"}  # nothing applied for it
+        assert _post(sink.url + "/", _webhook("resolved", other, "2026-12-04T05:03:40.5Z")) == 200
+    finally:
+        sink.close()
+    pages = [line.split(": ", 1)[1] for line in lines if "page sent" in line]
+    assert pages == [
+        "page sent: RankscopeNonFiniteSteps firing (run r, rank 0)",
+        "page sent: RankscopeNonFiniteSteps resolved (run r, rank 0): fixed by the loop: reduce_lr applied at step 371",
+        "page sent: RankscopeRankImbalance resolved (run r, rank 0): the loop applied no checkpoint for it",
+    ], lines
