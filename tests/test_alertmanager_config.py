@@ -167,17 +167,22 @@ class RunningAlertmanager:
         body = [{"labels": labels, "annotations": {"summary": "test"}, "startsAt": now} for labels in alerts]
         requests.post(f"{self.url}/api/v2/alerts", json=body, timeout=5).raise_for_status()
 
+    def resolve(self, labels: dict[str, str]) -> None:
+        """As Prometheus says an alert resolved: the same labels, ending now."""
+        now = datetime.now(timezone.utc).isoformat()
+        body = [{"labels": labels, "annotations": {"summary": "test"}, "endsAt": now}]
+        requests.post(f"{self.url}/api/v2/alerts", json=body, timeout=5).raise_for_status()
+
 
 @pytest.fixture
 def alertmanager(tmp_path: Path, free_port: Callable[[], int]) -> Iterator[RunningAlertmanager]:
     """The repo's alertmanager.yml served by a real Alertmanager. Only the webhook addresses
-    change (to a local sink) and the pager's group_wait (30s -> 1s, so the test is short)."""
+    change (to a local sink); the routes' timings are the shipped ones."""
     sink = WebhookSink()
     config = yaml.safe_load(CONFIG.read_text())
     receivers = {r["name"]: r for r in config["receivers"]}
     receivers["trainer-control"]["webhook_configs"][0]["url"] = f"{sink.url}/v1/alerts"
     receivers["pager"]["webhook_configs"][0]["url"] = f"{sink.url}/pager"
-    next(r for r in config["route"]["routes"] if r["receiver"] == "pager")["group_wait"] = "1s"
     (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     token = secrets.token_urlsafe(24)
     (tmp_path / "secrets").mkdir()
@@ -236,3 +241,37 @@ def test_a_dead_rank_silences_stalled_and_imbalance_pages_of_its_own_run_only(al
         (d.body["groupLabels"]["alertname"], d.body["groupLabels"]["run_id"]) for d in alertmanager.sink.deliveries
     }
     assert not paged & inhibited
+
+
+def test_a_page_goes_out_before_the_next_evaluation_could_resolve_it_and_its_resolution_follows():
+    # Prometheus sends a resolution one evaluation after the firing at the earliest: a page route waiting
+    # longer than that never pages for an alert the trainer's action fixed at once.
+    evaluation = yaml.safe_load((REPO / "prometheus" / "prometheus.yml").read_text())["global"]["evaluation_interval"]
+    page = next(r for r in yaml.safe_load(CONFIG.read_text())["route"]["routes"] if r["receiver"] == "pager")
+    assert _seconds(page["group_wait"]) < _seconds(evaluation), (page, evaluation)
+    (hook,) = {r["name"]: r for r in yaml.safe_load(CONFIG.read_text())["receivers"]}["pager"]["webhook_configs"]
+    assert hook["send_resolved"] is True
+
+
+def _seconds(duration: str) -> float:
+    return sum(
+        float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration)
+    )
+
+
+@pytest.mark.integration
+def test_an_incident_the_loop_fixed_within_30s_still_pages_and_then_says_it_resolved(alertmanager):
+    # A hang the trainer's restart fixed: the alert resolves seconds after it fired, well within the 30 s
+    # the page route used to wait. The pager gets the page at once, then the resolved notice.
+    labels = {"alertname": "RankscopeRankHung", "run_id": "demo", "severity": "page", "action": "restart"}
+    alertmanager.post(labels)
+    alertmanager.sink.wait_for(lambda d: d.path == "/v1/alerts", timeout=20)  # the trainer acts
+    fired = alertmanager.sink.wait_for(lambda d: d.path == "/pager", timeout=20)
+    assert fired.body["status"] == "firing"
+    assert fired.body["groupLabels"] == {"alertname": "RankscopeRankHung", "run_id": "demo"}
+    alertmanager.resolve(labels)
+    resolved = alertmanager.sink.wait_for(lambda d: d.path == "/pager" and d.body["status"] == "resolved", timeout=90)
+    (alert,) = resolved.body["alerts"]
+    assert alert["status"] == "resolved" and alert["labels"] == labels
+    pages = [d.body["status"] for d in alertmanager.sink.deliveries if d.path == "/pager"]
+    assert pages == ["firing", "resolved"]

@@ -37,11 +37,14 @@ class Severity:
 #: Severity -> meaning and route (also in docs/runbook.md and prometheus/README.md). A severity with the
 #: "null" receiver notifies no one (the Alertmanager default route).
 SEVERITY_ROUTES = {
+    # A page goes out at once (group_wait below Prometheus's evaluation interval, so an alert the trainer's
+    # action resolves at the next evaluation has paged first), and its resolution follows within
+    # group_interval: the on-call person hears of an incident the loop fixed, and that it did.
     "page": Severity(
         "a person must look now: the run is stopped, broken, or wasting the whole job's time",
         "pager",
+        "1s",
         "30s",
-        "5m",
         "4h",
         "the pager (a generic webhook; PagerDuty/Slack below)",
     ),
