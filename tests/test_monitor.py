@@ -478,3 +478,37 @@ def test_a_disabled_grad_scaler_is_said_once(caplog):
         monitor.watch(model, optimizer, scaler=scaler)
     assert caplog.text.count("GradScaler is disabled") == 1, caplog.text
     monitor.close()
+
+
+def _page_values(monitor) -> dict[str, float]:
+    """global_step, loss and grad_norm as the /metrics page renders them now."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from rankscope.serving.exposition import PageRenderer
+
+    page = PageRenderer(monitor.registry).render().decode()
+    wanted = {"rankscope_global_step": {}, "rankscope_loss": {"split": "train"}, "rankscope_grad_norm": {}}
+    found = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            extra = wanted.get(sample.name)
+            if extra is not None and all(sample.labels.get(k) == v for k, v in extra.items()):
+                found[sample.name.removeprefix("rankscope_")] = sample.value
+    return found
+
+
+@pytest.mark.parametrize("kind", ["tensor", "float"])
+def test_a_page_rendered_between_record_and_the_step_s_end_shows_one_step_s_state(kind):
+    monitor = make()
+    values = {1: (2.0, 0.5), 2: (3.0, 0.25)}
+    pages = []
+    for step in (1, 2):
+        loss, norm = values[step]
+        if kind == "tensor":
+            loss, norm = torch.tensor(loss), torch.tensor(norm)
+        with monitor.step() as context:
+            context.record(loss=loss, grad_norm=norm)
+            pages.append(_page_values(monitor))  # a scrape landing inside the step, after record()
+        pages.append(_page_values(monitor))  # and one after its end
+    assert pages[1] == {"global_step": 1, "loss": 2.0, "grad_norm": 0.5}
+    assert pages[2] == {"global_step": 1, "loss": 2.0, "grad_norm": 0.5}, "step 2's values beside step 1"
+    assert pages[3] == {"global_step": 2, "loss": 3.0, "grad_norm": 0.25}

@@ -3,7 +3,9 @@
 Reading a CUDA tensor on the host (`.item()`, `float()`) waits for the device
 to finish: one stall per read. The monitor instead keeps detached tensors and
 resolves them together every N steps (one stall per N steps, at a point the
-loop chose). CPU tensors cost nothing to read and are resolved at once.
+loop chose). CPU tensors and numbers cost nothing to read and are resolved at
+once, except while held: values recorded during a step wait for the step's end
+(`release`), so a page never shows them beside the previous step's number.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 class DeferredValues:
-    """A queue of (tensor, sink) owned by the training thread (no lock needed).
+    """A queue of (tensor or host numbers, sink) owned by the training thread (no lock needed).
 
     Sinks run in the order values were added, so a sink that depends on order
     (the loss-spike detector) sees steps in sequence.
     """
 
     def __init__(self) -> None:
-        self._items: list[tuple[torch.Tensor, Sink]] = []
+        self._items: list[tuple[torch.Tensor | list[float], Sink]] = []
+        self.holding = False
+        """While True (inside a step), host values are queued too, until `release`."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -52,17 +56,38 @@ class DeferredValues:
     def add(self, value: torch.Tensor | float | int, sink: Sink) -> None:
         """Queue a tensor (any shape; the sink gets its values flattened) or a number."""
         if not isinstance(value, torch.Tensor):
-            sink([float(value)])
+            if self.holding:
+                self._items.append(([float(value)], sink))
+            else:
+                sink([float(value)])
             return
         if type(value) is not torch.Tensor:
             value = plain_tensor(value)
         # Few calls on this path: it runs several times per step on the training thread.
-        if value.is_cpu and not self._items:
+        if value.is_cpu and not self._items and not self.holding:
             sink(value.tolist() if value.dim() == 1 else value.reshape(-1).tolist())
         else:
             # Keeps order with already-queued device values: a CPU value behind a
             # queued CUDA value waits for the same flush.
             self._items.append((value.detach(), sink))
+
+    def release(self) -> None:
+        """Stop holding, and resolve the host values held, as `add` would have: numbers at once, CPU tensors
+        unless a device value is queued before them (they keep its order and wait for the flush). No device
+        transfer."""
+        self.holding = False
+        ready: list[tuple[list[float], Sink]] = []
+        waiting: list[tuple[torch.Tensor | list[float], Sink]] = []
+        for value, sink in self._items:
+            if not isinstance(value, torch.Tensor):
+                ready.append((value, sink))
+            elif value.is_cpu and not waiting:
+                ready.append((value.reshape(-1).tolist(), sink))
+            else:
+                waiting.append((value, sink))
+        self._items = waiting
+        for values, sink in ready:
+            sink(values)
 
     def flush(self) -> None:
         """Resolve everything queued: one device-to-host copy per device."""
@@ -70,11 +95,14 @@ class DeferredValues:
             return
         items, self._items = self._items, []
         by_device: dict[torch.device, list[int]] = {}
-        for index, (tensor, _) in enumerate(items):
-            by_device.setdefault(tensor.device, []).append(index)
         resolved: list[list[float]] = [[] for _ in items]
+        for index, (value, _) in enumerate(items):
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(index)
+            else:
+                resolved[index] = value
         for indices in by_device.values():
-            flat = [items[i][0].reshape(-1).to(torch.float64) for i in indices]
+            flat = [items[i][0].reshape(-1).to(torch.float64) for i in indices]  # type: ignore[union-attr]
             values = torch.cat(flat).tolist()
             offset = 0
             for i, part in zip(indices, flat, strict=True):

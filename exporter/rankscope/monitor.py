@@ -23,6 +23,7 @@ know the answer before the optimizer step.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -109,6 +110,7 @@ class Monitor:
         self.instruments = Instruments(self.registry, self.identity, extra=extra_metrics)
         self.global_step = 0
         self._deferred = DeferredValues()
+        self._page_lock = threading.Lock()  # a step's end is published under it, and the page read under it
         self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
         self._spikes = LossSpikeDetector(self.config.spike_window, self.config.spike_ratio, self.config.spike_patience)
         self._comm = CommTimer()
@@ -163,6 +165,7 @@ class Monitor:
                 who,
                 page_cache_seconds=self.config.page_cache_seconds,
                 web=web_config_for("metrics", self.config.web_config_file),
+                consistent=self._page_lock,
             )
             logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
         return self._server
@@ -320,9 +323,13 @@ class Monitor:
             self._modules.begin_step(context.index)
         self._step_memory_call(lambda memory: memory.begin())
         self._in_step = True
+        self._deferred.holding = True  # what the step records shows with its global_step, at its end
         self.progress.begin_step()
         try:
             yield context
+        except BaseException:
+            self._deferred.release()  # a step that failed: what it recorded shows now, nothing lost
+            raise
         finally:
             self._in_step = False
             self.progress.set(_STEP_BOUNDARY)  # until the next fetch: the loop's own end-of-step work, control
@@ -331,6 +338,8 @@ class Monitor:
         # Only a block that completed counts as a step; an exception propagates untouched.
         seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
         self._finish_step(context, seconds, samples, tokens, max_seq_len)
+        if self._deferred.holding:  # the step's end failed before publishing it
+            self._deferred.release()
 
     def clip_grad_norm_(
         self,
@@ -512,7 +521,7 @@ class Monitor:
             peak = self._step_memory_call(lambda memory: memory.end())
             if peak is not None:
                 self.instruments.child(PREFIX + "step_peak_device_memory_bytes").set(peak)
-            m["global_step"].set(context.index)
+            self._publish_step(context.index)
             m["last_step_timestamp_seconds"].set(time.time())
             comm_seconds, events = self._comm.take_step()
             if self.collectives is not None:
@@ -533,6 +542,13 @@ class Monitor:
                 self.flush()
         except Exception as exc:
             self._fail("step", exc)
+
+    def _publish_step(self, index: int) -> None:
+        """The step's number and the values recorded during it, at one moment for a scrape (no device value
+        is read: those show at the flush that resolves them)."""
+        with self._page_lock:
+            self._metric["global_step"].set(index)
+            self._deferred.release()
 
     def _start_goodput(self) -> None:
         config = self.config

@@ -17,6 +17,7 @@ metric internals (`_metrics`, `_value`, `_buckets`, `_sum`, `_upper_bounds`), as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import itertools
@@ -233,12 +234,17 @@ def _render_collected(metric: Any, out: list[str]) -> None:
 
 
 class PageRenderer:
-    """Renders a registry (or any collector) in the Prometheus text format; thread-safe."""
+    """Renders a registry (or any collector) in the Prometheus text format; thread-safe.
 
-    def __init__(self, registry: CollectorRegistry | Any) -> None:
+    `consistent`: a lock the recording side holds while it publishes values that belong together (a
+    step's end: its global_step with the loss recorded in it). The registry's own metrics are read under
+    it, all at one moment; other collectors (probes, which may be slow) are collected before, outside it."""
+
+    def __init__(self, registry: CollectorRegistry | Any, consistent: threading.Lock | None = None) -> None:
         self._registry = registry
         self._families: dict[Any, _Family] = {}
         self._lock = threading.Lock()
+        self._consistent = consistent
         # A CollectorRegistry is walked collector by collector; anything else through collect().
         self._walk = all(hasattr(registry, a) for a in ("_lock", "_collector_to_names", "_target_info"))
 
@@ -261,17 +267,26 @@ class PageRenderer:
             if target_info is not None:
                 _render_collected(target_info, out)
             known, current = self._families, {}
-            for collector in collectors:
+            parts: list[list[str]] = []
+            for collector in collectors:  # collectors first, in order: each part keeps its place on the page
+                part: list[str] = []
+                parts.append(part)
                 family = known.get(collector)
                 if family is None and isinstance(collector, MetricWrapperBase):
                     family = _Family(collector)
                 if family is None:
                     for metric in collector.collect():
-                        _render_collected(metric, out)
+                        _render_collected(metric, part)
                     continue
                 current[collector] = family
-                family.render(out)
+            with self._consistent or contextlib.nullcontext():  # then every metric's value at one moment
+                for collector, part in zip(collectors, parts, strict=True):
+                    family = current.get(collector)
+                    if family is not None:
+                        family.render(part)
             self._families = current  # unregistered metrics are forgotten
+            for part in parts:
+                out.extend(part)
         return "".join(out).encode("utf-8")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any
@@ -125,12 +126,14 @@ def serve_metrics(
     page_cache_seconds: float = 1.0,
     timeout: float = READ_TIMEOUT,
     web: WebConfig | None = None,
+    consistent: threading.Lock | None = None,
 ) -> MetricsServer:
     """Serve `registry` from background threads; port 0 picks a free port.
 
-    The page is cached for `page_cache_seconds` (0: rendered on every scrape)."""
+    The page is cached for `page_cache_seconds` (0: rendered on every scrape). `consistent`: the lock under
+    which the recording side publishes values that belong together (see `PageRenderer`)."""
     web = web or WebConfig()
-    page = CachedPage(PageRenderer(registry).render, page_cache_seconds)
+    page = CachedPage(PageRenderer(registry, consistent).render, page_cache_seconds)
     attempts = [port] if port == 0 else list(range(port, min(port + fallback, 65535) + 1))
     try:
         server = serve_app(
