@@ -11,7 +11,7 @@ import math
 import threading
 from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec
 from rankscope.identity import RankIdentity
 
-__all__ = ["Instruments", "observe_all"]
+__all__ = ["BeforeRender", "Instruments", "observe_all"]
 
 _CLIENT_TYPES = {
     MetricKind.COUNTER: Counter,
@@ -114,3 +114,18 @@ def observe_all(child: Any, values: Sequence[float]) -> None:
     for index, count in Tally(bisect_left(bounds, value) for value in values).items():
         buckets[index].inc(count)
     total.inc(math.fsum(values))
+
+
+class BeforeRender:
+    """A collector without metrics of its own that runs `refresh` whenever the page is collected: rankscope's
+    renderer collects collectors before it reads the metrics, so what `refresh` sets shows on that page."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self._refresh = refresh
+
+    def describe(self) -> list[Any]:
+        return []  # registering it never runs `refresh`
+
+    def collect(self) -> list[Any]:
+        self._refresh()
+        return []

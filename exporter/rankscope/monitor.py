@@ -44,7 +44,7 @@ from rankscope.flops import FlopCounter, device_peak_flops
 from rankscope.goodput import PHASE_BUCKETS, GoodputCollector, GoodputFlusher, GoodputLedger, process_start_time
 from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
 from rankscope.identity import RankIdentity
-from rankscope.instruments import Instruments, observe_all
+from rankscope.instruments import BeforeRender, Instruments, observe_all
 from rankscope.modules import ModuleStats
 from rankscope.probes import Probe, ProbeCollector, default_probes
 from rankscope.progress import PHASE_INDEX, CollectivesCollector, ProgressTracker
@@ -111,6 +111,8 @@ class Monitor:
         self.global_step = 0
         self._deferred = DeferredValues()
         self._page_lock = threading.Lock()  # a step's end is published under it, and the page read under it
+        self._backend_known = False  # run_info's backend: read again at each render until a process group exists
+        self.registry.register(BeforeRender(self._refresh_run_info))
         self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
         self._spikes = LossSpikeDetector(self.config.spike_window, self.config.spike_ratio, self.config.spike_patience)
         self._comm = CommTimer()
@@ -658,8 +660,20 @@ class Monitor:
         self.record_error(probe)
         self._log.warning(probe, "rankscope: %s failed (training goes on; counted, logged once): %r", probe, exc)
 
+    def _refresh_run_info(self) -> None:
+        """A Monitor created before init_process_group (as the collective view wants) learns the group's
+        backend at the first render after the group exists (metrics thread: reads torch's group map only)."""
+        if self._backend_known or not (dist.is_available() and dist.is_initialized()):
+            return
+        try:
+            self._set_run_info()
+        except Exception as exc:  # never into the page: the label stays "none", counted
+            self._backend_known = True
+            self._fail("run_info", exc)
+
     def _set_run_info(self) -> None:
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        self._backend_known = backend != "none"
         self.instruments.child(PREFIX + "run_info").info(
             {
                 "world_size": str(self.identity.world_size),
