@@ -5,8 +5,9 @@ each rank trains a linear model with gloo, uses exporter's Monitor and
 ControlChannel exactly as a user's loop would, and writes what it saw to
 DIR/rank<r>.jsonl, one line per step: the step, the learning rates, the actions
 the channel applied at that step's boundary and how long the boundary held the
-rank. Its handler writes DIR/ckpt-rank<r>-step<s>.json. Nothing here imports
-the trainer package.
+rank. Its handler writes DIR/ckpt-rank<r>-step<s>.json. `--hang-rank R --hang-at S`
+blocks rank R for ever inside step S's compute (after writing DIR/rank<R>.hung), as a
+hung rank does. Nothing here imports the trainer package.
 
 Tests use :class:`ControlJob` to start it, talk to rank 0's endpoint and read
 the ranks' logs (what it shares with tests/jobs/lightning_job.py is in tests/jobs/common.py).
@@ -59,7 +60,11 @@ def _main(argv: list[str]) -> int:
     from rankscope import Monitor, MonitorConfig, config_from_mapping
     from rankscope.control import ControlChannel, ControlConfig
 
-    args = job_parser().parse_args(argv)
+    parser = job_parser()
+    parser.add_argument("--hang-rank", type=int, default=-1, help="the rank that hangs at --hang-at")
+    parser.add_argument("--hang-at", type=int, default=0, help="step inside whose compute that rank blocks for ever")
+    parser.add_argument("--goodput-dir", default="", help="rank 0's goodput ledger, written only when asked to flush")
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     # Start-up on a busy machine can be slow: a long timeout to rendezvous, the short one after.
@@ -70,7 +75,8 @@ def _main(argv: list[str]) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # Warmup over 5 steps, then constant: a scheduler that would undo a plain lr change.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    monitor = Monitor(MonitorConfig(host="127.0.0.1", base_port=0, probes=("host",)))
+    ledger = {"goodput_dir": args.goodput_dir, "goodput_flush_seconds": 3600.0} if args.goodput_dir else {}
+    monitor = Monitor(MonitorConfig(host="127.0.0.1", base_port=0, probes=("host",), **ledger))
     monitor.start()
     monitor.watch(model.module, optimizer)
     control = config_from_mapping(ControlConfig, json.loads(args.control), "control")
@@ -86,6 +92,8 @@ def _main(argv: list[str]) -> int:
                 loss = model(x).pow(2).mean()
                 loss.backward()
                 time.sleep(args.step_seconds)  # stands in for real compute; keeps two shared cores usable
+                if rank == args.hang_rank and step == args.hang_at:
+                    _hang(args.out, rank)
                 ctx.record(loss=loss)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -107,6 +115,14 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
+def _hang(out: Path, rank: int) -> None:
+    """Block for ever, inside the step (a signal's handler still runs here; the wait goes on after it)."""
+    import threading
+
+    (out / f"rank{rank}.hung").touch()
+    threading.Event().wait()
+
+
 # --- the launcher (runs in the test process) -----------------------------------------------
 
 
@@ -120,9 +136,10 @@ class ControlJob(ControlClient):
         master_port: int,
         control: dict[str, Any] | None = None,
         pg_timeout: float = 3.0,
+        extra: list[str] | None = None,
     ) -> None:
         super().__init__(out, control_port, "control-test")
-        self.start_job("tests/jobs/control_job.py", master_port, control, pg_timeout)
+        self.start_job("tests/jobs/control_job.py", master_port, control, pg_timeout, extra=extra)
 
 
 if __name__ == "__main__":

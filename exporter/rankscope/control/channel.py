@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
-from rankscope.contract import PREFIX
+from rankscope.contract import PHASES, PREFIX
 from rankscope.control.actions import ActionRequest
 from rankscope.control.app import AppDeps, create_app
 from rankscope.control.catalog import action_spec, check_result
@@ -74,6 +74,7 @@ from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, Roll
 from rankscope.control.restart import Restarter
 from rankscope.control.stacks import fold, gather, own_stacks, render
 from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
+from rankscope.control.stop_deadline import StopDeadline
 from rankscope.control.stops import StopSignals, first_reason
 from rankscope.identity import RankIdentity
 from rankscope.instruments import Instruments
@@ -151,6 +152,9 @@ class ControlChannel:
         self._goodput = getattr(monitor, "goodput", None)
         # Stacks carry the collective in flight (a monitor without a collective view: none).
         self._in_flight = getattr(monitor, "collective_in_flight", None)
+        # What a SIGTERM that finds this rank hung writes: its phase, as rankscope_phase shows it.
+        self._progress = getattr(monitor, "progress", None)
+        self._collective_view = getattr(monitor, "collectives", None)
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self._distributed else identity.rank
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -168,6 +172,7 @@ class ControlChannel:
         self._checks: dict[str, _Awaited] = {}
         self._awaiting: dict[str, ActionRecord] = {}
         self._signals: StopSignals | None = None
+        self._deadline: StopDeadline | None = None
         self._watch: OptimizerWatch | None = None
         # Rank 0: (unix time, step) at each boundary, to turn an alert's startsAt into a step.
         self._history: deque[tuple[float, int]] = deque(maxlen=_HISTORY_STEPS)
@@ -189,7 +194,13 @@ class ControlChannel:
         self._agree_on_start(error)
         if self.config.endpoint:
             self._meet_peers()
-        self._signals = StopSignals(self.config.handle_signals, self.config.stop_when_orphaned)
+        if self.config.handle_signals and self.config.stop_grace_seconds > 0:
+            self._deadline = StopDeadline(
+                self.rank, self.config.stop_grace_seconds, self.config.state_dir,
+                phase=self._phase_now, in_flight=self._in_flight, flush_ledger=self._write_ledger,
+            )  # fmt: skip
+        on_sigterm = self._deadline.on_sigterm if self._deadline is not None else None
+        self._signals = StopSignals(self.config.handle_signals, self.config.stop_when_orphaned, on_sigterm)
 
     # --- public ------------------------------------------------------------------
 
@@ -280,6 +291,8 @@ class ControlChannel:
         A requested stop is "applied" here too (the loop has left), as in finish(), without lingering."""
         self._settle_stop()
         self._checks.clear()
+        if self._deadline is not None:
+            self._deadline.reached.set()  # the loop has left: a SIGTERM from now on has no boundary to reach
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -407,6 +420,19 @@ class ControlChannel:
         until then (a hang, say) belongs to this incarnation, not to the next one's start-up."""
         if self._goodput is not None:
             self._goodput.flush()
+
+    def _write_ledger(self) -> bool:
+        """Write the goodput ledger at a SIGTERM exit; whether this rank keeps one on disk."""
+        self._flush_goodput()
+        return self._goodput is not None and getattr(self._goodput, "path", None) is not None
+
+    def _phase_now(self) -> tuple[str, float]:
+        """This rank's phase and since when (Unix time), as rankscope_phase shows it."""
+        if self._progress is None:
+            return "unknown", time.time()
+        view = self._collective_view
+        index, since = self._progress.current(view if view is not None and getattr(view, "enabled", False) else None)
+        return PHASES[index], since
 
     def _count_lost_steps(self, steps: int) -> None:
         self._instruments.child(PREFIX + "restart_lost_steps_total").inc(steps)
@@ -561,6 +587,8 @@ class ControlChannel:
     def _stop(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         handler.request_stop(order["reason"])
         self._stop_requested = True
+        if self._deadline is not None:
+            self._deadline.reached.set()  # every rank agreed on the stop: no SIGTERM deadline from here on
         self._set_paused(False)
         if self.rank == 0:
             self.snapshot.update(stop_requested=True)
@@ -738,8 +766,8 @@ class ControlChannel:
             logger.warning("rankscope: rank %d: %s %s at step %d: %s", self.rank, action, _RESULT[code], step, detail)
         elif worst == _APPLIED:
             logger.info("rankscope: rank %d applied %s at step %d", self.rank, action, carried_at)
-            if carried_at != step:
-                detail = f"took effect by step {step}"
+            if carried_at != step:  # a rollback is seen at a step before it: the run went back, not time
+                detail = f"took effect by step {step}" if step > carried_at else f"the run went back to step {step}"
         if record is not None:
             if worst >= _REFUSED:
                 self._limits.undo(record.action)  # no cap or cooldown used by what did not happen

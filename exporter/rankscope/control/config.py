@@ -26,6 +26,13 @@ class ControlConfig:
     handle_signals: bool = True
     """SIGTERM and SIGINT (on any rank) mean "checkpoint, then stop" at the next step boundary on every
     rank (a second SIGINT interrupts at once). Installed when the channel is built on the main thread."""
+    stop_grace_seconds: float = 10.0
+    """After SIGTERM, seconds this rank waits for the stop to reach a step boundary. A rank that is hung, or
+    waits on a peer that is, never gets there: it then writes its stacks and phase (to state_dir), the goodput
+    ledger and one line saying why it did not checkpoint, and exits with status 143, before the launcher's
+    SIGKILL (torchrun's comes 30 s after the signal). 0: wait for the boundary however long it takes. Keep it
+    above the time between two control rounds (check_every_n_steps steps); a checkpoint being written is
+    waited for."""
     stop_when_orphaned: bool = True
     """Under torchrun, a rank whose agent process is gone checkpoints and stops instead of training on."""
     host: str = "127.0.0.1"
@@ -114,7 +121,7 @@ class ControlConfig:
         check_range("control.lr_floor_ratio", self.lr_floor_ratio, gt=0, lt=1)
         for name in ("group_timeout_seconds", "lr_floor", "lr_cooldown_seconds", "checkpoint_cooldown_seconds",
                      "rollback_cooldown_seconds", "micro_batch_cooldown_seconds",
-                     "restart_cooldown_seconds"):  # fmt: skip
+                     "restart_cooldown_seconds", "stop_grace_seconds"):  # fmt: skip
             check_range(f"control.{name}", getattr(self, name), ge=0)
         if self.token_env and not self.token_env.replace("_", "").isalnum():
             raise ValueError(f"control.token_env must be an environment variable name, got {self.token_env!r}")

@@ -209,16 +209,18 @@ def gather(peers: Mapping[int, str], token: str | None, timeout: float = GATHER_
         return {rank: future.result() for rank, future in answers.items()}
 
 
-def write_stacks(directory: str | os.PathLike[str], by_rank: Mapping[int, dict[str, Any]], label: str) -> Path:
-    """Write the folded text (`rankscope-stacks-<label>.txt`) and every rank's raw answer (`.json`)
-    into `directory`; returns the text file's path. Written whole or not at all (a temporary file
-    renamed), so a restart that follows never leaves half a file."""
+def write_stacks(
+    directory: str | os.PathLike[str], by_rank: Mapping[int, dict[str, Any]], label: str, header: str = ""
+) -> Path:
+    """Write the folded text (`rankscope-stacks-<label>.txt`, after `header` if one is given) and every
+    rank's raw answer (`.json`) into `directory`; returns the text file's path. Written whole or not at all
+    (a temporary file renamed), so a restart that follows never leaves half a file."""
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     text_path = folder / f"rankscope-stacks-{label}.txt"
     for path, content in (
         (folder / f"rankscope-stacks-{label}.json", json.dumps({str(r): a for r, a in sorted(by_rank.items())})),
-        (text_path, render(fold(by_rank))),
+        (text_path, (f"{header}\n\n" if header else "") + render(fold(by_rank))),
     ):
         partial = path.with_name(path.name + ".partial")
         partial.write_text(content, encoding="utf-8")

@@ -8,6 +8,12 @@ and every rank stops at the same step after one checkpoint. A second SIGINT inte
 A rank whose torchrun agent died (`kill -9` of torchrun) is re-parented; it notices at the next
 boundary (its parent process id changed) and stops the same way instead of training on alone.
 
+A rank blocked in C (a collective waiting for a hung peer) runs no Python signal handler until the
+call returns, which may be never. So SIGTERM is also seen by a thread: Python's C-level handler
+writes the signal's number to the wakeup fd (`signal.set_wakeup_fd`) whatever the main thread is
+doing, and the `SignalWatcher` thread reading it calls back (see `stop_deadline`). A wakeup fd set
+before (asyncio's) still gets every byte; forked children (DataLoader workers) drop ours.
+
 DataLoader workers forked from the rank inherit the handler; in them it does nothing (the rank
 decides), so the SIGTERM that torchrun sends to the whole process group no longer kills them.
 Workers started with `spawn` or `forkserver` do not inherit it: call :func:`ignore_stop_signals`
@@ -20,14 +26,17 @@ the rank's daemon children get multiprocessing's SIGTERM, then SIGKILL after a s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StopSignals", "ignore_stop_signals"]
+__all__ = ["SignalWatcher", "StopSignals", "ignore_stop_signals"]
 
 #: The signals noted, in the order of `StopSignals.flags()`.
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
@@ -50,14 +59,24 @@ class StopSignals:
     only sets a flag; the step boundary reads it.
     """
 
-    def __init__(self, handle_signals: bool = True, watch_agent: bool = True) -> None:
+    def __init__(
+        self,
+        handle_signals: bool = True,
+        watch_agent: bool = True,
+        on_sigterm: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_sigterm`: called once, on a thread of its own, when SIGTERM arrives, even while the main thread
+        is blocked in C (see `SignalWatcher`)."""
         self._pid = os.getpid()
         self._received: set[signal.Signals] = set()
         self._previous: dict[signal.Signals, Any] = {}
+        self._watcher: SignalWatcher | None = None
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             _kill_data_loader_workers_at_exit()
+            if on_sigterm is not None:
+                self._watcher = SignalWatcher(signal.SIGTERM, on_sigterm)
         # Under torchrun the parent is the agent; elsewhere the parent (a shell) is not ours to watch.
         self._agent = os.getppid() if watch_agent and "TORCHELASTIC_RUN_ID" in os.environ else None
 
@@ -81,11 +100,80 @@ class StopSignals:
 
     def close(self) -> None:
         """Put back the handlers found at start (where ours is still the one installed)."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, previous)
         self._previous.clear()
 
+
+class SignalWatcher:
+    """Calls `react` once, on a thread of its own, when this process gets `watched`, whatever its main thread is
+    doing: a thread reads the wakeup fd that Python's C-level handler writes each signal's number to (only
+    signals with a Python handler installed). Built and closed on the main thread."""
+
+    def __init__(self, watched: signal.Signals, react: Callable[[], None]) -> None:
+        self._watched, self._react = int(watched), react
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)  # set_wakeup_fd requires it: a handler must never block
+        self._previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        _watching.add(self._writer.fileno())
+        self._closed = threading.Event()
+        self._fired = False
+        self._thread = threading.Thread(target=self._run, name="rankscope-signal-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self._reader.recv(256)
+            except OSError:
+                return
+            if not data or self._closed.is_set():
+                return
+            if self._previous >= 0:  # whoever set a wakeup fd before us still hears of every signal
+                with contextlib.suppress(OSError):
+                    os.write(self._previous, data)
+            if self._watched in data and not self._fired:
+                self._fired = True
+                threading.Thread(target=self._react, name="rankscope-stop-deadline", daemon=True).start()
+
+    def close(self) -> None:
+        """Put back the wakeup fd found at start (where ours is still the one set) and end the thread."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        _watching.discard(self._writer.fileno())
+        with contextlib.suppress(ValueError):  # not the main thread: the fd stays set, the socket closes
+            current = signal.set_wakeup_fd(self._previous)
+            if current != self._writer.fileno():
+                signal.set_wakeup_fd(current)  # someone set theirs after ours: keep it
+        with contextlib.suppress(OSError):
+            self._writer.send(b"\0")
+        self._thread.join(timeout=1)
+        self._reader.close()
+        self._writer.close()
+
+
+#: Write ends of the live watchers' wakeup fds (this process's).
+_watching: set[int] = set()
+
+
+def _drop_wakeup_fd_in_child() -> None:
+    """A forked child (a DataLoader worker) shares our socket: its signals are not its parent's."""
+    if not _watching:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        current = signal.set_wakeup_fd(-1)
+        if current not in _watching:
+            signal.set_wakeup_fd(current)
+    _watching.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_wakeup_fd_in_child)
 
 _registered_at_exit: set[int] = set()
 
