@@ -198,7 +198,8 @@ class Tunables:
     loss_scale_for: str = "10m"
     loss_scale_severity: str = "ticket"
     checkpoint_failure_window: str = "1h"
-    """A failed checkpoint keeps its alert firing this long (each failure is an event; no `for`)."""
+    """A failed checkpoint keeps its alert firing until a checkpoint is written after it, at most this long (each
+    failure is an event; no `for`)."""
     checkpoint_failing_for: str = "0s"
     checkpoint_failing_severity: str = "page"
     goodput_ratio: float = 0.9

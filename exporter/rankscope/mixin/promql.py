@@ -123,6 +123,7 @@ HANG_EXCUSED = f"run:{metric_name('phase')}:hang_excused"
 HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
+CHECKPOINT_FAILED_AT = f"run:{metric_name('checkpoint_failures_total')}:failure_timestamp_seconds"
 # efficiency
 GOODPUT_BUCKETS = f"run:{metric_name('goodput_seconds_total')}:by_bucket"
 GOODPUT_WALL = f"run:{metric_name('goodput_seconds_total')}:wall"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.promql import CHECKPOINT_FAILURES_MAX, RUN, counted_in_window, metric_name
+from rankscope.mixin.promql import CHECKPOINT_FAILED_AT, CHECKPOINT_FAILURES_MAX, RUN, counted_in_window, metric_name
 from rankscope.mixin.rules import Alert
 
 
@@ -16,7 +16,13 @@ def records(t: Tunables) -> list[dict[str, str]]:
         {
             "record": CHECKPOINT_FAILURES_MAX,
             "expr": f"max by ({RUN}, reason) ({metric_name('checkpoint_failures_total')})",
-        }
+        },
+        # Present at the evaluation that sees the run's count grow, valued its time: the latest over a window is
+        # when the run last failed (to within an evaluation), to compare with its last good checkpoint.
+        {
+            "record": CHECKPOINT_FAILED_AT,
+            "expr": f"max by ({RUN}) (idelta({CHECKPOINT_FAILURES_MAX}[{t.rate_window}]) > 0) * 0 + time()",
+        },
     ]
 
 
@@ -24,12 +30,20 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeCheckpointFailing",
-            f"({counted_in_window(CHECKPOINT_FAILURES_MAX, t.checkpoint_failure_window)}) > 0",
+            # A checkpoint written after the last failure ends it: the condition (no recent good checkpoint) is gone.
+            f"({counted_in_window(CHECKPOINT_FAILURES_MAX, t.checkpoint_failure_window)}) > 0\n"
+            f"unless on ({RUN})\n"
+            f"(\n"
+            f"  max by ({RUN}) ({metric_name('last_checkpoint_timestamp_seconds')})\n"
+            f"  > on ({RUN})\n"
+            f"  max_over_time({CHECKPOINT_FAILED_AT}[{t.checkpoint_failure_window}])\n"
+            f")",
             t.checkpoint_failing_for,
             t.checkpoint_failing_severity,
             "Checkpoints of a run cannot be written: a crash now would lose everything since the last one.",
             'Run {{ $labels.run_id }} failed to write {{ $value | printf "%.0f" }} checkpoint(s) in the last '
             f"{t.checkpoint_failure_window} (reason {{{{ $labels.reason }}}}). Training goes on, but a crash or a "
-            "stop loses the work since the last good checkpoint, and the run will exit with an error.",
+            "stop loses the work since the last good checkpoint, and the run will exit with an error. It resolves "
+            "once a checkpoint is written.",
         ),
     ]
