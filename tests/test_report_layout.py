@@ -163,3 +163,33 @@ def test_the_summary_and_training_figures_keep_several_close_actions_apart() -> 
         plots.summary_figure("run", training_inputs(), compute, incidents, AXIS, straggler(compute), 1.0)
     )
     assert_no_overlaps(plots.training_figure(training_inputs(), AXIS, plots.marks_from(incidents, 1.0)))
+
+
+def _lines_under(axis, box) -> list[str]:
+    """Labels of the lines with a drawn point inside `box` (display coordinates)."""
+    hit = []
+    for line in axis.get_lines():
+        if line.get_linestyle() in ("--", "None", " ", "") or not line.get_visible():
+            continue  # the action lines themselves, and marker-only series
+        points = axis.transData.transform(np.column_stack([line.get_xdata(), line.get_ydata()]))
+        points = points[np.isfinite(points).all(axis=1)]
+        inside = (points[:, 0] > box.x0) & (points[:, 0] < box.x1) & (points[:, 1] > box.y0) & (points[:, 1] < box.y1)
+        if inside.any():
+            hit.append(str(line.get_label()))
+    return hit
+
+
+def test_action_labels_do_not_sit_on_the_loss_or_learning_rate_curves() -> None:
+    incidents = close_actions()
+    compute = compute_per_rank(TIMES, 2)
+    summary = plots.summary_figure("run", training_inputs(), compute, incidents, AXIS, straggler(compute), 1.0)
+    training = plots.training_figure(training_inputs(), AXIS, plots.marks_from(incidents, 1.0))
+    for figure in (summary, training):
+        figure.canvas.draw()
+        # The summary's learning-rate panel names its lines in the legend; the timeline under it names them too.
+        for axis in figure.axes[:1] if figure is summary else (figure.axes[0], figure.axes[2]):
+            labels = [t for t in axis.texts if t.get_rotation() == 90 and t.get_text()]
+            assert labels, f"{axis.get_title(loc='left')!r} names no action"
+            for label in labels:
+                under = _lines_under(axis, label.get_window_extent())
+                assert not under, f"{label.get_text()!r} sits on {under} in {axis.get_title(loc='left')!r}"

@@ -29,6 +29,7 @@ from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from rankscope.report.analysis import Straggler, ratio_to_median
 from rankscope.report.attention import AttentionSnapshot
@@ -78,6 +79,8 @@ ACTION_COLORS = {
 }
 #: Actions named on the loss panel too: a rollback is where the curve jumps back to an earlier state.
 LOSS_PANEL_LABELS = frozenset({"rollback"})
+#: Actions named at their line on the learning-rate panel: those that change the rate.
+LR_PANEL_LABELS = frozenset({"reduce_lr", "rollback"})
 FIRING = "#d62828"
 PENDING = "#f4a261"
 _STYLE: Any = {  # matplotlib's stub wants its literal rc names as keys
@@ -337,8 +340,48 @@ def _draw_marks(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark], labels: boo
                 named.append(mark)
     for x, text, color in _label_groups(named, axis_x):
         axis.annotate(text, (x, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 3), textcoords="offset points",
-                      va="bottom", ha="left", fontsize=7.5, color=color, rotation=90,
+                      va="bottom", ha="left", fontsize=7.5, color=color, rotation=90, gid=ACTION_LABEL,
                       bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})  # fmt: skip
+
+
+#: The gid of an action line's label (see _room_for_labels).
+ACTION_LABEL = "action-label"
+#: The band the labels may claim at the bottom of a plot, at most (the data keeps the rest).
+MAX_LABEL_BAND = 0.6
+
+
+def _room_for_labels(figure: Figure) -> None:
+    """Lower each plot's y floor until its data stays above its action labels (they stand at the bottom), so
+    no label sits on a curve. Lays the figure out to measure them."""
+    figure.canvas.draw()
+    for axis in figure.axes:
+        labels = [t for t in axis.texts if t.get_gid() == ACTION_LABEL and t.get_visible()]
+        box = axis.get_window_extent()
+        if not labels or box.height <= 0:
+            continue
+        extents = [t.get_window_extent() for t in labels]
+        band = min(MAX_LABEL_BAND, max(e.y1 - box.y0 for e in extents) / box.height + 0.02)
+        lowest = math.inf
+        for line in axis.get_lines():
+            if line.get_transform() != axis.transData:
+                continue  # action lines and markers placed in axes fractions
+            points = axis.transData.transform(np.column_stack([line.get_xdata(), line.get_ydata()]))
+            ys = np.asarray(line.get_ydata(), dtype=float)
+            for extent in extents:
+                under = (points[:, 0] >= extent.x0 - 2) & (points[:, 0] <= extent.x1 + 2) & np.isfinite(ys)
+                if under.any():
+                    lowest = min(lowest, float(ys[under].min()))
+        if not math.isfinite(lowest):
+            continue
+        log = axis.get_yscale() == "log"
+        if log and lowest <= 0:
+            continue
+        lo, hi = axis.get_ylim()
+        to = (lambda v: math.log10(v)) if log else (lambda v: v)
+        back = (lambda v: 10**v) if log else (lambda v: v)
+        if (to(lowest) - to(lo)) / (to(hi) - to(lo)) >= band:
+            continue
+        axis.set_ylim(back((to(lowest) - band * to(hi)) / (1 - band)), hi)
 
 
 def _draw_nonfinite(axis: Axes, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
@@ -421,7 +464,9 @@ def _plot_loss(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequ
     _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
 
 
-def _plot_learning_rate(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark]) -> None:
+def _plot_learning_rate(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Mark],
+                        named: frozenset[str] = LR_PANEL_LABELS) -> None:  # fmt: skip
+    """The rate per param group; the actions in `named` labelled at their line, the others in the legend."""
     groups = sorted(inputs.learning_rate, key=lambda s: s.labels.get("param_group", ""))
     logged = inputs.per_step_lr if inputs.per_step_lr is not None and len(inputs.per_step_lr) else None
     if not groups and logged is None:
@@ -436,8 +481,12 @@ def _plot_learning_rate(axis: Axes, inputs: TrainingInputs, axis_x: TimeAxis, ma
     axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
     axis.set_ylabel("learning rate")
     axis.set_title("Learning rate per param group, control actions marked", loc="left")
-    axis.legend(loc="upper right")
-    _draw_marks(axis, axis_x, marks, labels=True)
+    _draw_marks(axis, axis_x, marks, labels=named)
+    # The other actions' lines are named once each in the legend: a label at each would stand on the curve.
+    others = {m.label: m.color for m in marks if m.kind == "action" and m.label not in named}
+    handles, names = axis.get_legend_handles_labels()
+    handles += [Line2D([], [], color=color, lw=1.0, ls="--") for color in others.values()]
+    axis.legend(handles, names + list(others), loc="best", ncols=2 if len(handles) > 4 else 1)
 
 
 @_styled
@@ -479,6 +528,7 @@ def training_figure(inputs: TrainingInputs, axis_x: TimeAxis, marks: Sequence[Ma
         _empty(norm, "Gradient norm", "no rankscope_grad_norm series")
     for axis in (lr, norm):
         axis_x.apply(axis)
+    _room_for_labels(figure)
     return figure
 
 
@@ -908,6 +958,7 @@ def loss_rate_figure(x: np.ndarray, slope: np.ndarray, axis_x: TimeAxis, unit: s
     axis.legend(loc="upper right")
     _draw_marks(axis, axis_x, marks, labels=LOSS_PANEL_LABELS)
     axis_x.apply(axis)
+    _room_for_labels(figure)
     return figure
 
 
@@ -1101,7 +1152,8 @@ def summary_figure(
     marks = marks_from(incidents, interval)
 
     _plot_loss(loss, training, axis_x, marks)
-    _plot_learning_rate(lr, training, axis_x, marks)
+    # The timeline under it names every action at the same time: here the legend says which line is which.
+    _plot_learning_rate(lr, training, axis_x, marks, named=frozenset())
     lr.set_title("Learning rate, actions marked", loc="left")
 
     ranked = [s for s in compute if s.rank is not None]
@@ -1147,4 +1199,5 @@ def summary_figure(
         axis.tick_params(labelbottom=True)
     axis_x.apply(timeline)
     figure.suptitle(title, fontsize=11, fontweight="bold", x=0.01, ha="left")
+    _room_for_labels(figure)
     return figure
