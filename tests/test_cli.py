@@ -14,6 +14,7 @@ import torch
 from rankscope import Monitor, MonitorConfig, RankIdentity
 from rankscope.cli import main
 from rankscope.control import ControlChannel, ControlConfig
+from rankscope.control.recovery import RollbackDone, RollbackRequest
 
 from tests.support import REPO, wait_for
 
@@ -38,12 +39,18 @@ class Loop:
     def request_stop(self, reason: str) -> None:
         self._done.set()
 
+    def rollback(self, request: RollbackRequest) -> RollbackDone:
+        """Checkpoints every 10 steps: go back to the newest before the incident (the loop's own thread)."""
+        checkpoint = (request.before_step - 1) // 10 * 10
+        self.step = checkpoint
+        return RollbackDone(checkpoint, f"step_{checkpoint}.pt", request.window(checkpoint))
+
     def _run(self) -> None:
-        step = 0
+        self.step = 0
         while not self._done.wait(0.01):  # a step every 10 ms
-            step += 1
+            self.step += 1
             self.optimizer.step()  # a reduced rate is applied once the optimizer steps with it
-            self.channel.at_step_boundary(step, self)
+            self.channel.at_step_boundary(self.step, self)
 
     def close(self) -> None:
         self._done.set()
@@ -195,3 +202,14 @@ def test_stop_waits_until_the_loop_has_left_and_prints_applied(endpoint, capsys)
     command.join(timeout=30)
     assert result.get("code") == 0
     assert re.fullmatch(r"stop \S+: applied at step \d+", capsys.readouterr().out.strip())
+
+
+def test_a_rollback_says_the_run_went_back_to_the_step_it_trains_on_from(endpoint, capsys):
+    """Issue 34: 'rollback ...: applied at step 604 (took effect by step 601)' read as time running
+    backwards. The outcome says the run went back."""
+    channel, _, _ = endpoint
+    wait_for(lambda: channel.snapshot.read()["step"] >= 25, 10, "the loop past its checkpoint at step 20")
+    assert main(["rollback", "--wait", "10"]) == 0
+    line = capsys.readouterr().out.strip()
+    found = re.fullmatch(r"rollback \S+: applied at step (\d+) \(the run went back to step (\d+)\)", line)
+    assert found is not None and int(found[2]) <= int(found[1]), line
