@@ -306,9 +306,9 @@ class Narrator:
         self._say(stamped(f"stacks written before the restart: {text if text.exists() else fresh[-1]}"))
         folded = fold(answers)
         self._say(f"    {render(folded, full=False)}")
-        named = self._suspect is not None and self._suspect.isdigit() and int(self._suspect) in answers
-        rank = int(self._suspect) if named else folded[-1].ranks[0]  # type: ignore[arg-type]
-        why = "the alert's rank" if named else "stacks unlike the most ranks'"
+        named = int(self._suspect) if self._suspect is not None and self._suspect.isdigit() else None
+        rank = named if named is not None and named in answers else folded[-1].ranks[0]
+        why = "the alert's rank" if rank == named else "stacks unlike the most ranks'"
         self._say(f"  rank {rank}'s stack ({why}), innermost frame last:")
         for line in innermost_frames(answers[rank], STACK_FRAMES):
             self._say(f"    {line}")
