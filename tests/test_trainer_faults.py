@@ -489,3 +489,25 @@ def test_both_ranks_serve_the_trainers_own_metrics(faulty_run) -> None:
     # The page is valid exposition format by Prometheus's own checker.
     checked = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True)
     assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
+
+
+# --- a schedule under torchrun's restarts ------------------------------------------------------------
+
+TWO_CRASHES = "[{kind: crash, at_step: 15, rank: 1}, {kind: crash, at_step: 35, rank: 0, exit_code: 9}]"
+
+
+@pytest.mark.integration
+def test_each_crash_of_a_schedule_fires_once_across_torchruns_restarts_and_the_job_completes(trainer_job) -> None:
+    # test.yaml checkpoints every 10 steps: the first attempt crashes at 15, the second resumes from 10 and
+    # replays 11..15 without crashing, then crashes at 35; the third resumes from 30 and finishes.
+    job = trainer_job("two-crashes", [f"faults.schedule={TWO_CRASHES}"], resume="auto", max_restarts=2)
+    assert job.wait_exit(timeout=480) == 0, job.tail()
+    fired = [(r["name"], r["step"], r["rank"], r["attempt"]) for r in job.records("fault")]
+    assert fired == [("crash-step15", 15, 1, 0), ("crash-step35", 35, 0, 1)]
+    assert [r["step"] for r in job.records("resume")] == [10, 30]
+    assert [r["step"] for r in job.records("finished")] == [60]
+    assert job.output.read_text().count("crashes at step") == 2
+    markers = sorted((job.checkpoint_dir / "faults").iterdir())
+    assert [(m["name"], m["rank"], m["attempt"]) for m in (json.loads(p.read_text()) for p in markers)] == [
+        ("crash-step15", 1, 0), ("crash-step35", 0, 1),
+    ]  # fmt: skip
