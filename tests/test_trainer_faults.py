@@ -146,6 +146,16 @@ def test_slow_data_delays_the_batches_of_its_rank_from_its_step() -> None:
     assert max(timed(rank=1)) < 0.1
 
 
+def test_slow_data_delays_every_micro_batch_of_its_steps() -> None:
+    # With data.accumulation_steps 2 the loader delivers two batches per step: both come late.
+    faults = FaultInjector(_faults(slow_data={"at_step": 2, "rank": 0, "seconds": 0.15}), rank=0)
+    batches = iter(faults.slow_data(range(4), lambda: 2))
+    for _ in range(2):
+        started = time.perf_counter()
+        next(batches)
+        assert time.perf_counter() - started >= 0.15
+
+
 def test_a_slow_checkpoint_delays_the_first_save_at_or_after_its_step_and_no_other(tmp_path) -> None:
     faults = FaultInjector(_faults(slow_checkpoint={"at_step": 15, "seconds": 0.2}), 0, FaultMarkers(tmp_path, "L1"))
     state = lambda: {"step": 1}  # noqa: E731 - the loop's state_dict, as save() calls it

@@ -532,15 +532,20 @@ class FaultInjector:
 
     def slow_data(self, batches: Iterable[Any], next_step: Callable[[], int]) -> Iterator[Any]:
         """Wrap the batch iterator; delays delivery on the slow rank (inside the monitor's data timing)."""
+        delay_step, delay = 0, 0.0
         for batch in batches:
             step = next_step()
             if self._hangs("data", step):
                 _hang_in_data_loader()
-            for event in self._of("slow_data"):
-                if self._acts(event, step):
-                    time.sleep(event.fault.seconds)
-                else:
-                    self._ends(event, step)
+            if step != delay_step:  # decided once per step, then every micro-batch of the step is late
+                delay_step, delay = step, 0.0
+                for event in self._of("slow_data"):
+                    if self._acts(event, step):
+                        delay += event.fault.seconds
+                    else:
+                        self._ends(event, step)
+            if delay:
+                time.sleep(delay)
             yield batch
 
     def at_step_start(self, step: int, optimizer: Any, scheduler: Any) -> None:
