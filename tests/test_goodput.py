@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from rankscope import Monitor, MonitorConfig
 from rankscope.goodput import BUCKETS, LEDGER_FILE, GoodputLedger
+from rankscope.hang_threshold import HangThreshold, duration_seconds
 from rankscope.identity import RankIdentity
 
 
@@ -78,23 +79,83 @@ def test_a_rollback_loses_the_training_since_the_checkpoint_it_loads() -> None:
     assert ledger.totals()["lost"] == pytest.approx(14)
 
 
-def test_a_hang_is_the_gap_beyond_hang_seconds_live_and_after_it_ended() -> None:
+def test_a_hang_is_the_whole_gap_from_the_last_step_once_it_passes_the_floor_live_and_after_it_ended() -> None:
+    # One meaning with RankscopeRankHung: hung from the last step's end once the gap passes
+    # max(floor, multiple x recent step time); the whole gap is the hang, from where the alert says it began.
     clock = Clock()
-    ledger = GoodputLedger(process_start=clock.now, hang_seconds=10, clock=clock)
+    ledger = GoodputLedger(process_start=clock.now, hang_floor_seconds=10, clock=clock)
     ledger.first_step(clock.now, 0)
     _train(ledger, clock, 1, 2)
-    clock.tick(25)
+    clock.tick(9)
+    assert ledger.totals()["hang"] == 0  # within the floor: a slow step, still training
+    clock.tick(16)
     live = ledger.totals()
-    assert live["hang"] == pytest.approx(15) and live["training"] == pytest.approx(12)
+    assert live["hang"] == pytest.approx(25) and live["training"] == pytest.approx(2)
     ledger.on_step(3, clock.tick(1))
     after = ledger.totals()
-    assert after["hang"] == pytest.approx(16) and after["training"] == pytest.approx(12)
-    # A long phase is not a hang.
+    assert after["hang"] == pytest.approx(26) and after["training"] == pytest.approx(2)
+    # A long phase is not a hang, and the gap after it is measured from its end.
     ledger.enter("checkpoint")
     clock.tick(30)
     ledger.leave(saved_step=3)
-    ledger.on_step(4, clock.tick(1))
-    assert ledger.totals()["hang"] == pytest.approx(16)
+    ledger.on_step(4, clock.tick(9))
+    assert ledger.totals()["hang"] == pytest.approx(26) and ledger.totals()["checkpoint"] == pytest.approx(30)
+    assert _wall(ledger.totals()) == pytest.approx(clock.now - 1000.0)
+
+
+def test_the_hang_threshold_is_the_alerts_multiple_of_the_recent_step_time() -> None:
+    clock = Clock()
+    ledger = GoodputLedger(process_start=clock.now, hang_floor_seconds=10, hang_step_multiple=10, clock=clock)
+    ledger.first_step(clock.now, 0)
+    _train(ledger, clock, 1, 5, seconds=3.0)  # 3 s steps: the threshold is 30 s, not the 10 s floor
+    clock.tick(29)
+    assert ledger.totals()["hang"] == 0
+    clock.tick(2)
+    assert ledger.totals()["hang"] == pytest.approx(31)
+    # The step that ends the hang does not raise its own threshold: the 31 s gap stays a hang.
+    ledger.on_step(6, clock.tick(1), seconds=32.0)
+    assert ledger.totals()["hang"] == pytest.approx(32)
+
+
+def test_the_recent_step_time_is_the_highest_window_mean_within_the_lookback() -> None:
+    threshold = HangThreshold(floor_seconds=1, step_multiple=10, window_seconds=60, lookback_seconds=600)
+    assert threshold.seconds(0.0) == 1  # no step yet: the floor
+    for index in range(1, 11):
+        threshold.add_step(float(index), 1.0)  # mean 1 s
+    threshold.add_step(11.0, 12.0)  # mean (10 + 12) / 11 = 2 s
+    assert threshold.recent_step_seconds(11.0) == pytest.approx(2.0)
+    for at in range(100, 160):
+        threshold.add_step(float(at), 1.0)  # a minute of 1 s steps: the window's mean is 1 s again...
+    assert threshold.seconds(160.0) == pytest.approx(20.0)  # ...the lookback keeps the 2 s
+    assert threshold.seconds(612.0) == pytest.approx(10.0)  # until it leaves the lookback
+
+
+def test_start_up_and_the_first_step_are_never_a_hang_however_long() -> None:
+    # The alert needs a step completed by this incarnation (rankscope_last_step_timestamp_seconds > 0).
+    clock = Clock()
+    ledger = GoodputLedger(process_start=clock.now, hang_floor_seconds=10, clock=clock)
+    clock.tick(300)  # imports, checkpoint load
+    ledger.first_step(clock.now, 0)
+    clock.tick(200)  # the first step compiles
+    assert ledger.totals()["hang"] == 0
+    ledger.on_step(1, clock.now, seconds=200.0)
+    _train(ledger, clock, 2, 3)
+    totals = ledger.totals()
+    assert totals["hang"] == 0 and totals["startup"] == 300 and totals["training"] == pytest.approx(202)
+
+
+def test_the_monitor_config_and_the_rule_pack_share_one_hang_threshold() -> None:
+    from rankscope.mixin.config import Tunables
+
+    monitor, rules = MonitorConfig(), Tunables()
+    shipped = (rules.hang_floor_seconds, rules.hang_step_multiple)
+    assert (monitor.hang_floor_seconds, monitor.hang_step_multiple) == shipped
+    threshold = HangThreshold()
+    assert (threshold.floor_seconds, threshold.step_multiple) == shipped
+    assert (threshold.window_seconds, threshold.lookback_seconds) == (
+        duration_seconds(rules.hang_step_window),
+        duration_seconds(rules.hang_step_lookback),
+    )
 
 
 def test_the_next_incarnation_continues_the_job_and_counts_the_restart_and_lost_work(tmp_path) -> None:

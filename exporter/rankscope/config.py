@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from rankscope import hang_threshold
 from rankscope._checks import check_range
 
 __all__ = ["MonitorConfig", "config_from_mapping"]
@@ -58,8 +59,11 @@ class MonitorConfig:
     accounting continues across restarts and resumes. "" keeps it in memory (this process only)."""
     goodput_flush_seconds: float = 1.0
     """How often rank 0 writes the ledger (a background thread): a crash loses at most this much accounting."""
-    hang_seconds: float = 120.0
-    """A gap between steps (outside checkpoint, validation and pauses) longer than this is a hang beyond it."""
+    hang_floor_seconds: float = hang_threshold.FLOOR_SECONDS
+    """The goodput's `hang`: no step or phase ended for longer than max(this, hang_step_multiple x the recent step
+    time), counted whole from that last end. The rule pack's RankscopeRankHung has the same two settings with
+    the same defaults (rankscope.hang_threshold): set both alike."""
+    hang_step_multiple: float = hang_threshold.STEP_MULTIPLE
     count_flops: bool = False
     """Count the model FLOPs of the first step with torch's FlopCounterMode (it runs every op unchanged) and
     count that many per step in rankscope_model_flops_total. Ignored when flops_per_step is given."""
@@ -86,7 +90,7 @@ class MonitorConfig:
         check_range("metrics.module_stats_every_n_steps", self.module_stats_every_n_steps, ge=0, integer=True)
         check_range("metrics.max_module_groups", self.max_module_groups, ge=1, integer=True)
         check_range("metrics.page_cache_seconds", self.page_cache_seconds, ge=0, le=3600, note=" (0: no cache)")
-        for name in ("goodput_flush_seconds", "hang_seconds"):
+        for name in ("goodput_flush_seconds", "hang_floor_seconds", "hang_step_multiple"):
             check_range(f"metrics.{name}", getattr(self, name), gt=0)
         for name in ("flops_per_step", "peak_flops"):
             check_range(f"metrics.{name}", getattr(self, name), ge=0, note=" (0: unknown)")

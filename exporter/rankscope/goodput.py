@@ -4,7 +4,8 @@ The job's wall time, from the first incarnation's process start to now, is split
 to it: `startup` (process start to the first step, checkpoint load included, and the time between one
 incarnation's last record and the next one's process start: the restart), `training` (steps and the loop
 between them), `checkpoint`, `validation`, `paused` (phases the loop or the control channel marks) and
-`hang` (the part of a gap between steps, outside any phase, beyond `hang_seconds`). `lost` is the part of
+`hang`: a gap without activity (no step ended, no phase ended) longer than the hang threshold, counted whole
+from that last activity, as `RankscopeRankHung` reads it (:mod:`rankscope.hang_threshold`). `lost` is the part of
 `training` whose steps were thrown away: trained after the checkpoint a resume or a rollback went back to.
 Productive time, the goodput's numerator, is `training - lost`.
 
@@ -30,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from rankscope._files import write_atomically
 from rankscope.contract import METRICS, PREFIX
+from rankscope.hang_threshold import FLOOR_SECONDS, STEP_MULTIPLE, HangThreshold
 
 __all__ = ["BUCKETS", "LEDGER_FILE", "PHASE_BUCKETS", "GoodputCollector", "GoodputLedger", "process_start_time"]
 
@@ -64,12 +66,13 @@ class GoodputLedger:
         directory: str | Path | None = None,
         *,
         process_start: float | None = None,
-        hang_seconds: float = 120.0,
+        hang_floor_seconds: float = FLOOR_SECONDS,
+        hang_step_multiple: float = STEP_MULTIPLE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
         self.path = Path(directory) / LEDGER_FILE if directory else None
-        self.hang_seconds = hang_seconds
+        self.hang = HangThreshold(hang_floor_seconds, hang_step_multiple)
         started = process_start if process_start is not None else clock()
         self._lock = threading.Lock()
         self._closed = dict.fromkeys(BUCKETS, 0.0)  # closed intervals (and whole earlier incarnations)
@@ -93,7 +96,10 @@ class GoodputLedger:
         self._state = "startup"
         self._since = started
         self._stack: list[str] = []
-        self._last_activity = started  # last step end or phase end: a gap from here beyond hang_seconds is a hang
+        # This incarnation's last step end or phase end (None until its first step ended: start-up and the first
+        # step are never a hang): a gap from here longer than the hang threshold is a hang, all of it.
+        self._last_activity: float | None = None
+        self._last_step_end: float | None = None
         self._hang_open = 0.0  # hang seconds already cut out of the open training interval
         self._training = False  # a step has begun in this incarnation
         self._restored = False
@@ -112,15 +118,18 @@ class GoodputLedger:
             self._close(started)
             self._state = "training"
             self._training = True
-            self._last_activity = started
+            self._last_step_end = started
 
-    def on_step(self, index: int, ended: float) -> None:
-        """Step `index` ended at `ended`: a gap since the last activity beyond hang_seconds was a hang."""
+    def on_step(self, index: int, ended: float, seconds: float | None = None) -> None:
+        """Step `index`, of `seconds` (default: since the step before ended), ended at `ended`: a gap since the
+        last activity longer than the hang threshold (as it stood before this step) was a hang, all of it."""
         with self._lock:
-            excess = ended - self._last_activity - self.hang_seconds
-            if excess > 0 and self._state == "training":
-                self._hang_open += excess
-            self._last_activity = ended
+            if self._state == "training":
+                self._hang_open += self._hang(ended)
+            if seconds is None:
+                seconds = ended - (self._last_step_end if self._last_step_end is not None else ended)
+            self.hang.add_step(ended, seconds)
+            self._last_activity = self._last_step_end = ended
             self.step = index
 
     def restore(self, step: int) -> None:
@@ -147,7 +156,8 @@ class GoodputLedger:
             now = self._clock()
             self._close(now)
             self._state = self._stack.pop() if self._stack else ("training" if self._training else "startup")
-            self._last_activity = now
+            if self._last_activity is not None:
+                self._last_activity = now
             if saved_step is not None:
                 self._marks = {s: kept for s, kept in self._marks.items() if s < saved_step}
                 self._marks[saved_step] = self._kept(now)
@@ -182,10 +192,15 @@ class GoodputLedger:
 
     # --- internals (lock held) ------------------------------------------------------------------------
 
-    def _live_hang(self, now: float) -> float:
-        if self._state != "training":
+    def _hang(self, now: float) -> float:
+        """The gap since the last activity if it is a hang by `now` (longer than the threshold), else 0."""
+        if self._last_activity is None:
             return 0.0
-        return max(0.0, now - self._last_activity - self.hang_seconds)
+        gap = now - self._last_activity
+        return gap if gap > self.hang.seconds(now) else 0.0
+
+    def _live_hang(self, now: float) -> float:
+        return self._hang(now) if self._state == "training" else 0.0
 
     def _open(self, now: float) -> dict[str, float]:
         """The open interval's seconds, by bucket."""
@@ -206,7 +221,8 @@ class GoodputLedger:
             self._closed[bucket] += seconds
         self._since = max(self._since, now)
         self._hang_open = 0.0
-        self._last_activity = max(self._last_activity, now) if self._state == "training" else self._last_activity
+        if self._state == "training" and self._last_activity is not None:
+            self._last_activity = max(self._last_activity, now)
 
     def _kept(self, now: float) -> float:
         totals = self._totals(now)

@@ -513,7 +513,7 @@ class Monitor:
             if self._flops.per_step:
                 self._model_flops().inc(self._flops.per_step)
             if self.goodput is not None:
-                self.goodput.on_step(context.index, time.time())
+                self.goodput.on_step(context.index, time.time(), seconds)
             if samples:
                 m["samples_total"].inc(samples)
             if tokens:
@@ -555,7 +555,10 @@ class Monitor:
     def _start_goodput(self) -> None:
         config = self.config
         self.goodput = GoodputLedger(
-            config.goodput_dir or None, process_start=process_start_time(time.time()), hang_seconds=config.hang_seconds
+            config.goodput_dir or None,
+            process_start=process_start_time(time.time()),
+            hang_floor_seconds=config.hang_floor_seconds,
+            hang_step_multiple=config.hang_step_multiple,
         )
         self._goodput_training = False
         self.registry.register(GoodputCollector(self.goodput, self.identity.labels()))

@@ -30,6 +30,7 @@ import time
 
 import psutil
 import pytest
+from rankscope import MonitorConfig
 from rankscope.goodput import BUCKETS, LEDGER_FILE
 from rankscope.mixin import promql
 
@@ -158,7 +159,6 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
 
 HANG_AT = 31  # rank 1's data loader never delivers step 31's batch; checkpoints every 20 steps
 SLOW_SAVE_SECONDS = 5.0  # the step-20 save takes this much longer (faults.slow_checkpoint)
-HANG_SECONDS = 5.0  # goodput's hang threshold (metrics.hang_seconds): a gap between steps beyond it is a hang
 AFTER_RESTART = 600  # steps trained by the restarted group, so that the job lasts well over a minute
 
 
@@ -166,15 +166,16 @@ def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(
     """Rank 1 hangs at step HANG_AT; RankscopeRankHung asks for `restart` (Alertmanager -> control endpoint),
     torchrun starts the group again, which resumes from the step-20 checkpoint, whose save was slowed.
 
-    Truth, from the test's clock and the run log: hang = the hung rank 0's exit - the end of step HANG_AT-1
-    (its train record) - HANG_SECONDS; lost = from the step-20 checkpoint's record to that exit, less the hang;
+    The ledger's hang threshold is the shipped one, the alert's (rankscope.hang_threshold), so the hang counts
+    whole from the last step, where the alert dates it. Truth, from the test's clock and the run log: hang = the
+    hung rank 0's exit - the end of step HANG_AT-1 (its train record); lost = from the step-20 checkpoint's
+    record to that exit, less the hang;
     checkpoint = the printed save durations (the slow one included); startup = as in the crash test."""
     st: Stack = stack("goodput-hang")
     job = st.start_trainer(
         [f"faults.hang.at_step={HANG_AT}", "faults.hang.rank=1", "faults.hang.kind=data",
          "faults.slow_checkpoint.at_step=20", f"faults.slow_checkpoint.seconds={SLOW_SAVE_SECONDS}",
-         "checkpoint.every_steps=20", "run.log_every=1", "metrics.goodput_flush_seconds=0.5",
-         f"metrics.hang_seconds={HANG_SECONDS}"],
+         "checkpoint.every_steps=20", "run.log_every=1", "metrics.goodput_flush_seconds=0.5"],
         max_steps=UNTIL_STOPPED, resume="auto", max_restarts=1,
     )  # fmt: skip
     first_rank0 = job.wait_for(lambda: job.rank_processes().get(0), "rank 0's process", timeout=60)
@@ -201,7 +202,7 @@ def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(
     assert first[-1]["step"] == HANG_AT - 1 and second[0]["step"] == 21  # resumed from the step-20 checkpoint
     step = _mean_step(first + second)
     checkpoint_20 = next(r for r in records[: starts[1]] if r["type"] == "checkpoint" and r["step"] == 20)
-    hang = hung_ended - first[-1]["time"] - HANG_SECONDS
+    hang = hung_ended - first[-1]["time"]
     checkpoint = _checkpoint_seconds(job)
     assert checkpoint >= SLOW_SAVE_SECONDS
     # The job's wall time is the crash test's to check; here the buckets are. What the ledger cannot count is
@@ -217,7 +218,7 @@ def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(
     }
     found = {"wall": sum(v for k, v in totals.items() if k != "lost"), **totals}
     _compare(found, truth, wall)
-    assert hang > 10, "the hang lasted until the alert's restart (a 20 s floor), well beyond HANG_SECONDS"
+    assert hang > MonitorConfig().hang_floor_seconds, "the hang lasted until the alert's restart, past the floor"
 
     recorded = {
         s["metric"]["bucket"]: float(s["value"][1])

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from rankscope import contract
+from rankscope import contract, hang_threshold
 from rankscope._checks import check_range
 from rankscope.control import catalog
 from rankscope.mixin.promql import metric_name, num
@@ -257,13 +257,14 @@ class Tunables:
     slow_step_action: str = ""
     """What slow steps ask the trainer for: nothing ("", a person decides) or reduce_micro_batch."""
 
-    hang_floor_seconds: float = 20.0
-    """RankscopeRankHung: no step on any rank for longer than max(this, hang_step_multiple x the run's recent
-    step time) is a hang."""
-    hang_step_multiple: float = 10.0
-    hang_step_window: str = "5m"
+    hang_floor_seconds: float = hang_threshold.FLOOR_SECONDS
+    """RankscopeRankHung: no step ended on any rank, and no checkpoint, validation or pause, for longer than
+    max(this, hang_step_multiple x the run's recent step time) is a hang, from that last end. The defaults are
+    the goodput ledger's too (rankscope.hang_threshold; metrics.hang_floor_seconds, metrics.hang_step_multiple)."""
+    hang_step_multiple: float = hang_threshold.STEP_MULTIPLE
+    hang_step_window: str = hang_threshold.duration(hang_threshold.WINDOW_SECONDS)
     """The run's recent step time: its mean step time over this window (local rank 0 of each node)..."""
-    hang_step_lookback: str = "1h"
+    hang_step_lookback: str = hang_threshold.duration(hang_threshold.LOOKBACK_SECONDS)
     """...the highest such mean within this range (so a hang does not shrink its own threshold)."""
     hang_checkpoint_limit_seconds: float = 600.0
     """A rank checkpointing (rankscope_phase) for less than this excuses the run from the hang alert."""

@@ -119,7 +119,9 @@ RUN_ENDED = f"run:{metric_name('run_finished')}:ended"
 HANG_STEP_SECONDS = f"run:{metric_name('step_duration_seconds')}:hang_reference_mean"
 HANG_THRESHOLD = f"run:{metric_name('last_step_timestamp_seconds')}:hang_threshold_seconds"
 HANG_STALLED = f"run:{metric_name('last_step_timestamp_seconds')}:stalled_seconds"
-HANG_EXCUSED = f"run:{metric_name('phase')}:hang_excused"
+#: Present while a run is excused from the hang alert, valued the evaluation time: its last value is the end of
+#: the run's last excused phase, to within an interval.
+HANG_EXCUSED_AT = f"run:{metric_name('phase')}:hang_excused_timestamp_seconds"
 HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"

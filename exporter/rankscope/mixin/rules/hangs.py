@@ -2,8 +2,10 @@
 
 Every rank serves its phase (``rankscope_phase``, an index into ``rankscope.contract.PHASES``) and how many
 collectives it has started (``rankscope_collectives_total``) from its metrics thread, which a blocked
-training thread cannot freeze. When no rank has completed a step for longer than the run's threshold
-(``hang_step_multiple`` times its recent step time, never below ``hang_floor_seconds``), the suspects are:
+training thread cannot freeze. A run is hung once no rank has completed a step, and no rank has ended a
+checkpoint, validation or pause, for longer than the run's threshold (``hang_step_multiple`` times its recent
+step time, never below ``hang_floor_seconds``): the definition the goodput ledger's ``hang`` bucket uses
+(:mod:`rankscope.hang_threshold`), so both date the hang from the same last activity. The suspects are:
 
 - ``outside_collective``: a rank that is not in a collective while other ranks of the run wait in one (a
   data loader that never delivers, a forward that never ends, a rank that took another branch);
@@ -13,9 +15,12 @@ training thread cannot freeze. When no rank has completed a step for longer than
   behind (the network, NCCL, a wedged switch or device). One alert for the run, without a rank.
 
 A paused run, a checkpoint or validation within its own limit (``hang_checkpoint_limit_seconds``,
-``hang_validation_limit_seconds``) and a run that still completes steps never fire it. Its value is the
-time since the run's last step. `RankscopeRunStalled` (liveness) stays as the catch-all for loops that
-serve no phase; Alertmanager inhibits it while this alert fires.
+``hang_validation_limit_seconds``), the time until the threshold after one ends, start-up and each
+incarnation's first step (no step completed yet: ``rankscope_last_step_timestamp_seconds`` is 0) and a run
+that still completes steps never fire it. Its value is the time since the run's last activity: its last step
+or, where later, the last evaluation that found it excused (the end of that phase, to within an interval).
+`RankscopeRunStalled` (liveness) stays as the catch-all for loops that serve no phase; Alertmanager inhibits
+it while this alert fires.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 from rankscope.contract import PHASES
 from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
-    HANG_EXCUSED,
+    HANG_EXCUSED_AT,
     HANG_STALLED,
     HANG_STEP_SECONDS,
     HANG_SUSPECTS,
@@ -74,10 +79,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"or on ({RUN})\n"
             f"(max by ({RUN}) ({last_step}) * 0 + {num(t.hang_floor_seconds)})",
         },
-        {"record": HANG_STALLED, "expr": f"time() - max by ({RUN}) ({last_step} > 0)"},
         {
-            # A run with a rank checkpointing or validating within its limit, or paused, is not hung.
-            "record": HANG_EXCUSED,
+            # A run with a rank checkpointing or validating within its limit, or paused, is not hung. Valued the
+            # evaluation time: the last value is when the phase ended (to within an interval), as the ledger
+            # dates it; a run is not hung the moment a long checkpoint ends, only once nothing followed it for
+            # the threshold.
+            "record": HANG_EXCUSED_AT,
             "expr": f"max by ({RUN}) (\n"
             f"  {_within(started, t.hang_checkpoint_limit_seconds, 'checkpoint')}\n"
             f"  or\n"
@@ -86,7 +93,18 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"  ({_phase('paused')})\n"
             f"  or\n"
             f"  ({metric_name('paused')} > 0)\n"
-            f") * 0 + 1",
+            f") * 0 + time()",
+        },
+        {
+            # From the last activity; absent until the run's ranks completed a step (start-up, the first step).
+            "record": HANG_STALLED,
+            "expr": f"time() - max by ({RUN}) (\n"
+            f"  ({last_step} > 0)\n"
+            f"  or\n"
+            f"  max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}])\n"
+            f")\n"
+            f"and on ({RUN})\n"
+            f"({last_step} > 0)",
         },
         {
             # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring).
@@ -141,13 +159,14 @@ def alerts(t: Tunables) -> list[Alert]:
             f"+ on ({RUN}) group_left ()\n"
             f"({HANG_STALLED} > {HANG_THRESHOLD})\n"
             f"unless on ({RUN})\n"
-            f"{HANG_EXCUSED}",
+            f"{HANG_EXCUSED_AT}",
             t.hang_for,
             t.hang_severity,
             f"A run makes no progress and one rank (or the network) holds it up{then[0]}.",
-            "Run {{ $labels.run_id }} has completed no step for {{ $value | humanizeDuration }} (threshold: "
-            f"{num(t.hang_step_multiple)}x its recent step time, at least {num(t.hang_floor_seconds)}s; not "
-            f"paused, not checkpointing or validating within its limit): {who}.{then[1]}",
+            "Run {{ $labels.run_id }} has made no progress for {{ $value | humanizeDuration }}: no step, no "
+            "checkpoint, validation or pause ended (threshold: "
+            f"{num(t.hang_step_multiple)}x its recent step time, at least {num(t.hang_floor_seconds)}s): {who}."
+            f"{then[1]}",
             t.hang_action,
         ),
     ]
