@@ -55,6 +55,8 @@ RANGE_QUERIES: dict[str, str] = {
         " / (sum by (rank, node) (rate(rankscope_steps_total{$SEL}[$W])) > 0)"
     ),
     "global_step": "max(rankscope_global_step{$SEL})",
+    "last_step": "max by (rank, node) (rankscope_last_step_timestamp_seconds{$SEL})",
+    "phase": "max by (rank, node) (rankscope_phase{$SEL})",
     "paused": "max(rankscope_paused{$SEL})",
 }
 

@@ -35,6 +35,7 @@ from rankscope.report.analysis import Straggler, ratio_to_median
 from rankscope.report.attention import AttentionSnapshot
 from rankscope.report.incidents import Incidents
 from rankscope.report.series import Series, times_union
+from rankscope.report.stops import Stop, mask_stops, phase_words
 
 __all__ = [
     "DPI",
@@ -82,6 +83,8 @@ LOSS_PANEL_LABELS = frozenset({"rollback"})
 #: Actions named at their line on the learning-rate panel: those that change the rate.
 LR_PANEL_LABELS = frozenset({"reduce_lr", "rollback"})
 FIRING = "#d62828"
+#: The shade of a stretch in which a rank made no step.
+STOPPED = "#c9c9c9"
 PENDING = "#f4a261"
 _STYLE: Any = {  # matplotlib's stub wants its literal rc names as keys
     "font.size": 9,
@@ -545,15 +548,23 @@ TIMINGS = (
 @_styled
 def rank_timings_figure(
     timings: dict[str, Sequence[Series]], axis_x: TimeAxis, straggler: Straggler | None = None,
-    marks: Sequence[Mark] = (),
+    marks: Sequence[Mark] = (), stops: Sequence[Stop] = (), last_step: Sequence[Series] = (),
 ) -> Figure:  # fmt: skip
-    """Mean step, compute, comm and data-wait time per rank over time (one colour per rank)."""
-    figure = _figure(7.2)
-    axes = figure.subplots(2, 2, sharex=True).ravel()
-    ranks = [s.rank for group in timings.values() for s in group if s.rank is not None]
+    """Mean step, compute, comm and data-wait time per rank over time (one colour per rank), and, from each
+    rank's `last_step` time, the time since its last step.
+
+    The timings are means over a rate window: they read a normal step for a while after a rank stopped,
+    then are absent. So each rank's line breaks in its `stops` and every panel shades them; the time since
+    the last step climbs through them, and its title says what each stopped rank was doing.
+    """
+    figure = _figure(10.0 if last_step else 7.2)
+    grid = figure.add_gridspec(3 if last_step else 2, 2, height_ratios=[1.0, 1.0, 0.85] if last_step else None)
+    first = figure.add_subplot(grid[0, 0])
+    axes = [first, *(figure.add_subplot(grid[i, j], sharex=first) for i, j in ((0, 1), (1, 0), (1, 1)))]
+    ranks = [s.rank for group in (*timings.values(), last_step) for s in group if s.rank is not None]
     colors = rank_colors(ranks)
     for axis, (key, title) in zip(axes, TIMINGS, strict=True):
-        series = list(timings.get(key, []))
+        series = [mask_stops(s, stops) for s in timings.get(key, [])]
         if not series:
             _empty(axis, title, f"no {key} series")
             continue
@@ -566,12 +577,60 @@ def rank_timings_figure(
         axis.set_title(title, loc="left", fontsize=9.5)
         seconds_axis(axis, _values(series), "mean over the rate window")
         axis.set_ylim(bottom=0)
+        _draw_stops(axis, axis_x, stops)
         _draw_marks(axis, axis_x, marks)
-    for axis in axes[2:]:
-        axis_x.apply(axis)
+    if last_step:
+        since = figure.add_subplot(grid[2, :], sharex=first)
+        _plot_since_last_step(since, axis_x, last_step, stops, colors, marks)
+        axes.append(since)
+        for axis in axes[2:4]:
+            axis_x.apply(axis, label=False)
+    else:
+        for axis in axes[2:]:
+            axis_x.apply(axis)
     if len(set(ranks)) > LEGEND_RANKS:
         _rank_colorbar(figure, axes, colors)
     return figure
+
+
+def _draw_stops(axis: Axes, axis_x: TimeAxis, stops: Sequence[Stop]) -> None:
+    """A grey shade over each stretch in which some rank made no step."""
+    spans: list[list[float]] = []
+    for stop in sorted(stops, key=lambda s: s.start):
+        if spans and stop.start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], stop.end)
+        else:
+            spans.append([stop.start, stop.end])
+    for lo, hi in spans:
+        axis.axvspan(axis_x.x(lo), axis_x.x(hi), color=STOPPED, alpha=0.35, lw=0, gid="stop", zorder=0)
+
+
+def _stop_words(stops: Sequence[Stop], start: float) -> str:
+    """The stops for a title: rank, from-to and what it was doing; the longest few when there are many."""
+    shown = sorted(stops, key=lambda s: s.start - s.end)[:4]
+    words = [f"rank {s.rank} {clock(s.start - start)}-{clock(s.end - start)}"
+             + (" and on" if s.open else "") + (f" ({phase_words(s.phase)})" if s.phase else "")
+             for s in sorted(shown, key=lambda s: (s.start, s.rank))]  # fmt: skip
+    more = f" and {len(stops) - len(shown)} more" if len(stops) > len(shown) else ""
+    return ", ".join(words) + more
+
+
+def _plot_since_last_step(axis: Axes, axis_x: TimeAxis, last_step: Sequence[Series], stops: Sequence[Stop],
+                          colors: dict, marks: Sequence[Mark]) -> None:  # fmt: skip
+    """Per rank: seconds since its last step, as Prometheus saw it; it climbs while the rank makes no step."""
+    ages = []
+    for s in last_step:
+        age = np.where(s.v > 0, s.t - s.v, np.nan)  # 0: an incarnation that has not stepped yet
+        ages.append(mask_stops(Series(dict(s.labels), s.t, age, s.name), ()))
+    _per_rank_lines(axis, axis_x, ages, colors)
+    seconds_axis(axis, _values(ages), "since the last step")
+    axis.set_ylim(bottom=0)
+    title = "Time since each rank's last step"
+    title += f": no step on {_stop_words(stops, axis_x.start)}" if stops else " (no rank stopped stepping)"
+    axis.set_title(title, loc="left", fontsize=9.5)
+    _draw_stops(axis, axis_x, stops)
+    _draw_marks(axis, axis_x, marks)
+    axis_x.apply(axis)
 
 
 def _rank_colorbar(figure: Figure, axes: Any, colors: dict) -> None:

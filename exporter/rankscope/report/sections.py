@@ -23,6 +23,7 @@ from rankscope.report.html import Figure, Note, Paragraph, Section, Table
 from rankscope.report.incidents import ActionEvent, AlertEpisode, Incidents
 from rankscope.report.runlog import RunLog
 from rankscope.report.series import Series, broken
+from rankscope.report.stops import Stop, find_stops, mask_stops
 
 __all__ = [
     "SECTIONS",
@@ -94,13 +95,18 @@ class Context:
         self.axis = plots.TimeAxis(self.data.start, self.data.end)
         self.marks = plots.marks_from(self.incidents, self.data.run.interval)
         self.logged = _log_series(self.log)
-        self.training = _training_inputs(self.data, self.logged)
+        data = self.data
+        finished = bool(data.finished_ranks and data.finished_ranks >= data.run.ranks)
+        self.stops = find_stops(data.get("last_step"), data.run.interval, data.get("step_time"), data.get("phase"),
+                                to_the_end=not finished)  # fmt: skip
+        self.training = _training_inputs(self.data, self.logged, self.stops)
         self.compute = self.data.get("compute_time")
 
     def summary_png(self) -> bytes:
         run = self.data.run
         title = f"rankscope run {run.run_id}: {utc(run.start)}, {duration(run.end - run.start)}"
-        figure = plots.summary_figure(title, self.training, self.compute, self.incidents, self.axis, self.straggler,
+        compute = [mask_stops(s, self.stops) for s in self.compute]
+        figure = plots.summary_figure(title, self.training, compute, self.incidents, self.axis, self.straggler,
                                       run.interval)  # fmt: skip
         return plots.png_bytes(figure)
 
@@ -133,7 +139,10 @@ def ranks(ctx: Context) -> Section:
     blocks: list = [
         Paragraph(_straggler_words(found, ctx.incidents)),
         _fig(
-            plots.rank_timings_figure(timings, ctx.axis, found, ctx.marks), "step, compute, comm and data wait per rank"
+            plots.rank_timings_figure(timings, ctx.axis, found, ctx.marks, ctx.stops, data.get("last_step")),
+            "step, compute, comm and data wait per rank, and the time since each rank's last step",
+            "Timings are means over the rate window. Grey: a stretch in which a rank made no step (from its last "
+            "step, rankscope_last_step_timestamp_seconds); the lines break there.",
         ),
         _fig(plots.rank_small_multiples_figure(ctx.compute, ctx.axis, found), "compute time, one panel per rank"),
         _fig(plots.rank_heatmap_figure(ctx.compute, ctx.axis), "compute time against the other ranks, rank by time"),
@@ -270,17 +279,26 @@ def _fig(figure: object, alt: str, caption: str = "") -> Figure:
     return Figure(plots.png_bytes(figure), alt, caption)  # type: ignore[arg-type]
 
 
-def _training_inputs(data: RunData, logged: dict[str, Series]) -> plots.TrainingInputs:
+def _training_inputs(data: RunData, logged: dict[str, Series], stops: list[Stop]) -> plots.TrainingInputs:
+    """Prometheus's per-step series break where a rank made no step (their gauges hold the last step's values;
+    a validation's are its own)."""
+
+    def get(name: str) -> list[Series]:
+        return [mask_stops(s, stops) for s in data.get(name)]
+
     loss = {s.labels.get("split"): s for s in data.get("loss")}
+    if "train" in loss:
+        loss["train"] = mask_stops(loss["train"], stops)
+    grad_norm = get("grad_norm")
     return plots.TrainingInputs(
         train_loss=loss.get("train"),
         val_loss=loss.get("val"),
         per_step_loss=logged.get("loss"),
         val_points=logged.get("val"),
-        accuracy=data.get("accuracy"),
-        learning_rate=data.get("learning_rate"),
+        accuracy=get("accuracy"),
+        learning_rate=get("learning_rate"),
         per_step_lr=logged.get("lr"),
-        grad_norm=data.one("grad_norm"),
+        grad_norm=grad_norm[0] if grad_norm else None,
     )
 
 
