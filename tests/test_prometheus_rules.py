@@ -165,10 +165,12 @@ def test_the_podmonitor_example_keeps_identity_labels_and_rank_ports_only():
 
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+#: Range and subquery brackets ([5m], [30m:1m]): their durations are not names.
+_RANGE = re.compile(r"\[[0-9a-z:]*\]")
 
 
 def _names_in(expr: str) -> set[str]:
-    return set(_IDENT.findall(_QUOTED.sub("", expr)))
+    return set(_IDENT.findall(_RANGE.sub("", _QUOTED.sub("", expr))))
 
 
 def _series_names() -> set[str]:
@@ -187,6 +189,8 @@ def test_every_metric_a_rule_reads_exists_in_the_contract_or_is_recorded(rule):
 def test_the_name_check_sees_histogram_series_and_ignores_label_values():
     names = _names_in('sum(rate(rankscope_step_duration_seconds_bucket{split="rankscope_fake"}[2m]))')
     assert "rankscope_step_duration_seconds_bucket" in names and "rankscope_fake" not in names
+    subquery = _names_in("max_over_time(timestamp(rankscope_run_info)[30m:1m]) or max_over_time(up[30m:])")
+    assert subquery == {"max_over_time", "timestamp", "rankscope_run_info", "or", "up"}
     assert "rankscope_step_duration_seconds_bucket" in _series_names()
 
 

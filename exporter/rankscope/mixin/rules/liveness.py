@@ -44,8 +44,9 @@ def alerts(t: Tunables) -> list[Alert]:
             "RankscopeRankDown",
             # The `up` series of a rank carries run_id/rank when service discovery sets them (file_sd from
             # the trainer, Kubernetes); with static targets they come from the metrics the rank served last.
-            # A static target stands for the newest run it served (the latest run_info sample, to within the
-            # subquery's minute): an older run on the same port is history, not a rank that is down now.
+            # A static target stands for the newest run it served (its latest run_info sample, at the evaluation
+            # interval: as many points as the range read it replaces): an older run on the same port is history,
+            # not a rank that is down now.
             # A rank whose last word was "finished cleanly" (rankscope_run_finished) is gone, not down.
             f"(\n"
             f'  max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
@@ -54,7 +55,7 @@ def alerts(t: Tunables) -> list[Alert]:
             f"    (up == 0)\n"
             f"    * on (job, instance) group_left ({RANK})\n"
             f"    topk by (job, instance) (1, max_over_time(timestamp({metric_name('run_info')})"
-            f"[{t.rank_down_lookback}:1m]))\n"
+            f"[{t.rank_down_lookback}:]))\n"
             f"  )\n"
             f")\n"
             f"unless on (run_id, rank)\n"
