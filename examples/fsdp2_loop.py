@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (every rank)")
     parser.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-seconds in compute")
     parser.add_argument("--slow-seconds", type=float, default=0.0)
+    parser.add_argument("--linger", type=float, default=7.5, help="seconds every rank serves after the end (>1 scrape)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -198,7 +199,7 @@ def main() -> None:
     loop.checkpoint("stop" if loop.stop else "final")
     log.close()
     monitor.finish()
-    channel.close()
+    channel.finish(linger_seconds=args.linger)  # every rank's page shows the finish to a scrape: no RankDown
     monitor.close()
     dist.destroy_process_group()
 

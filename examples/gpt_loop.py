@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--ignore-lr-scale", action="store_true", help="overwrite reductions, as loops used to")
     parser.add_argument("--sleep", type=float, default=0.0, help="extra seconds per iteration")
     parser.add_argument("--resume", type=Path, help="a checkpoint this loop wrote: train on from it")
-    parser.add_argument("--linger", type=float, default=2.0, help="seconds the endpoint serves after the end")
+    parser.add_argument("--linger", type=float, default=7.5, help="seconds every rank serves after the end (>1 scrape)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
