@@ -93,9 +93,9 @@ Once per job. A fault is an event in time: it fires at most once in the whole jo
 restarted, resumed or rolled-back group replays its steps. The rank that fires a fault first writes
 its marker (rankscope_trainer.fault_markers: one file per fault and rank in `faults.state_dir`,
 written atomically and fsynced), then logs a `fault` record in `run.log_file`, then acts. Each attempt
-reads the markers once, before its first step (after the collective start-up, so every rank reads the
-same set), and a fault that any rank of the job has marked does not act again in that attempt, on any
-rank. Per kind:
+reads the markers once, before its first step: every rank reads, and all take the union (one
+collective at start, before any rank can fire), so a fault that any rank of the job has marked acts
+again on no rank. Per kind:
 
 * crash, hang, diverge, slow_checkpoint: fire once, at their step (slow_checkpoint: at the first
   save at or after it). A restarted group trains through the step clean, as after a real fault that
@@ -468,8 +468,9 @@ class FaultsConfig:
 class FaultInjector:
     """Applies the job's faults for one rank. The loop calls each hook at its place.
 
-    `markers` is the job's record of fired faults (None: this process's memory only); `on_fire` gets each
-    `fault` and `fault_end` record (the run log's).
+    `markers` is the job's record of fired faults (None: this process's memory only); `fired` the names of
+    the faults the job fired before (None: what `markers` holds now; the loop gives every rank the union of
+    all ranks' reads); `on_fire` gets each `fault` and `fault_end` record (the run log's).
     """
 
     def __init__(
@@ -478,13 +479,14 @@ class FaultInjector:
         rank: int,
         markers: FaultMarkers | None = None,
         on_fire: Callable[[dict[str, Any]], None] | None = None,
+        fired: set[str] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self.markers = markers or FaultMarkers(None)
         self.on_fire = on_fire or (lambda record: None)
         self.events = config.events()
-        self._over = self.markers.fired()
+        self._over = set(self.markers.fired() if fired is None else fired)
         """Faults this job fired before this process started: they do not act again."""
         self._acted: dict[str, int] = {}
         """Fault name -> the last step (poison: data batch) it acted at in this process."""

@@ -139,9 +139,11 @@ class Trainer:
         self.micro_batch = cfg.data.batch_size
         self.accumulation = cfg.data.accumulation_steps
         self.log = ProgressLog(run.log_file, self.rt.is_main, run.max_steps, self.step_samples * self.rt.world_size)
-        # Before the collective that starts training (_control_channel): every rank reads the same fired faults.
         markers = FaultMarkers(cfg.faults.state_dir or Path(cfg.checkpoint.dir) / "faults", self.checkpoints.lineage)
-        self.faults = FaultInjector(cfg.faults, self.rt.rank, markers, on_fire=self.log.fault)
+        # Every rank gets the union of what each read (collective, before any rank can fire): they agree on
+        # which faults this job already fired, also where a node does not see another's markers.
+        fired = set().union(*self.rt.gather_objects(markers.fired())) if cfg.faults.events() else set()
+        self.faults = FaultInjector(cfg.faults, self.rt.rank, markers, on_fire=self.log.fault, fired=fired)
 
         self.step = 0
         self.epoch = 0
