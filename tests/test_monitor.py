@@ -512,3 +512,12 @@ def test_a_page_rendered_between_record_and_the_step_s_end_shows_one_step_s_stat
     assert pages[1] == {"global_step": 1, "loss": 2.0, "grad_norm": 0.5}
     assert pages[2] == {"global_step": 1, "loss": 2.0, "grad_norm": 0.5}, "step 2's values beside step 1"
     assert pages[3] == {"global_step": 2, "loss": 3.0, "grad_norm": 0.25}
+
+
+def test_a_host_value_held_until_the_step_s_end_is_the_value_it_had_when_recorded():
+    monitor = make()
+    with monitor.step() as context:
+        loss = torch.tensor(2.0)
+        context.record(loss=loss)
+        loss.add_(1.0)  # the loop reuses the tensor before the step ends
+    assert value(monitor, "rankscope_loss", split="train") == 2.0

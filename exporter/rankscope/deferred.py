@@ -48,7 +48,7 @@ class DeferredValues:
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor | list[float], Sink]] = []
         self.holding = False
-        """While True (inside a step), host values are queued too, until `release`."""
+        """While True (inside a step), host values are read at once but their sinks wait for `release`."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -64,30 +64,31 @@ class DeferredValues:
         if type(value) is not torch.Tensor:
             value = plain_tensor(value)
         # Few calls on this path: it runs several times per step on the training thread.
-        if value.is_cpu and not self._items and not self.holding:
-            sink(value.tolist() if value.dim() == 1 else value.reshape(-1).tolist())
+        if value.is_cpu and not self._tensor_queued():
+            values = value.tolist() if value.dim() == 1 else value.reshape(-1).tolist()  # its value now
+            if self.holding:
+                self._items.append((values, sink))
+            else:
+                sink(values)
         else:
             # Keeps order with already-queued device values: a CPU value behind a
             # queued CUDA value waits for the same flush.
             self._items.append((value.detach(), sink))
 
+    def _tensor_queued(self) -> bool:
+        """A tensor waits for the flush (a device value, or a CPU one behind it). Queued tensors are older than
+        the step's held values, so the scan stops at the first item when one waits, else reads a step's few."""
+        return any(isinstance(value, torch.Tensor) for value, _ in self._items)
+
     def release(self) -> None:
-        """Stop holding, and resolve the host values held, as `add` would have: numbers at once, CPU tensors
-        unless a device value is queued before them (they keep its order and wait for the flush). No device
-        transfer."""
+        """Stop holding and hand the host values held to their sinks, in order; tensors stay queued for the
+        flush (no device transfer here)."""
         self.holding = False
-        ready: list[tuple[list[float], Sink]] = []
-        waiting: list[tuple[torch.Tensor | list[float], Sink]] = []
-        for value, sink in self._items:
-            if not isinstance(value, torch.Tensor):
-                ready.append((value, sink))
-            elif value.is_cpu and not waiting:
-                ready.append((value.reshape(-1).tolist(), sink))
-            else:
-                waiting.append((value, sink))
-        self._items = waiting
-        for values, sink in ready:
-            sink(values)
+        ready = [(value, sink) for value, sink in self._items if not isinstance(value, torch.Tensor)]
+        if ready:
+            self._items = [(value, sink) for value, sink in self._items if isinstance(value, torch.Tensor)]
+            for values, sink in ready:
+                sink(values)
 
     def flush(self) -> None:
         """Resolve everything queued: one device-to-host copy per device."""
