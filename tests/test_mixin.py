@@ -129,3 +129,13 @@ def test_without_the_grafana_sdk_the_rules_and_routes_are_still_written(tmp_path
     checked = subprocess.run([sys.executable, "-c", run, "--check", "--out", str(REPO)],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert checked.returncode == 2 and "mixin extra" in checked.stderr
+
+
+def test_every_action_can_be_emptied_so_that_every_alert_only_pages(tmp_path: Path) -> None:
+    # docs/mixin.md: an empty `*_action` means the alert only pages; the fault campaign's loop-off arm sets
+    # them all so. memory, divergence and non-finite refused "" (their declared choices had no "").
+    result = mixin("--set", "*_action=", "--out", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rules = "".join(p.read_text() for p in sorted((tmp_path / "prometheus" / "rules").glob("*.yml")))
+    assert "RankscopeNonFiniteSteps" in rules and "RankscopeHostMemoryHigh" in rules
+    assert "action:" not in rules

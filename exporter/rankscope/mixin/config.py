@@ -70,7 +70,7 @@ ACTIONS = tuple(spec.name for spec in catalog.CATALOG)
 @dataclass(frozen=True)
 class ActionChoice:
     """An `*_action` tunable: the alerts whose `action` label it sets and the catalog actions it may take
-    ("" first where the alert may ask for nothing)."""
+    ("" first where asking for nothing is the default; every tunable may be set to "": :func:`action_choices`)."""
 
     alerts: tuple[str, ...]
     choices: tuple[str, ...]
@@ -89,6 +89,7 @@ ACTION_TUNABLES = {
 #: How the alerts' texts say what the trainer does for each action an alert may carry: (in the summary, in the
 #: description). An action without words here fails generation (KeyError naming it).
 EFFECTS = {
+    "": ("the on-call person decides", "the trainer does nothing by itself: the on-call person follows the runbook"),
     "checkpoint": ("the trainer checkpoints", "the trainer takes a checkpoint"),
     "reduce_lr": ("the trainer reduces the learning rate", "the trainer reduces the learning rate"),
     "rollback": (
@@ -119,9 +120,10 @@ INHIBITIONS = (
 
 
 def action_choices(tunable: str) -> list[str]:
-    """The values an `*_action` tunable may take: its declared choices that the catalog still offers (and ""
-    where the alert may ask for nothing)."""
-    return [c for c in ACTION_TUNABLES[tunable].choices if c == "" or catalog.action_spec(c) is not None]
+    """The values an `*_action` tunable may take: its declared choices that the catalog still offers, and ""
+    (the alert only pages: any alert may be left to a person, as `--set '*_action='` leaves them all)."""
+    offered = [c for c in ACTION_TUNABLES[tunable].choices if c == "" or catalog.action_spec(c) is not None]
+    return offered if "" in offered else [*offered, ""]
 
 
 def effect(action: str) -> tuple[str, str]:
