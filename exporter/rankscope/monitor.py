@@ -141,6 +141,7 @@ class Monitor:
         progress._on_error = lambda exc: self._fail("collectives", exc)
         self.registry.register(progress)
         self._set_run_info()
+        self.finished = False  # finish() was called: the loop has left
         self.goodput: GoodputLedger | None = None
         self._goodput_flusher: GoodputFlusher | None = None
         if self.config.goodput and self.identity.rank == 0:  # the job's accounting, kept once
@@ -179,6 +180,7 @@ class Monitor:
     def finish(self) -> None:
         """Mark the run as finished cleanly; call after the last step, and keep serving for at least
         one scrape interval so Prometheus sees it (the rank-down alert then ignores this rank)."""
+        self.finished = True  # a SIGTERM from now on finds the loop gone, not hung (control.stop_deadline)
         self._metric["run_finished"].set(1)
         self.flush()
         if self.goodput is not None:

@@ -198,6 +198,7 @@ class ControlChannel:
             self._deadline = StopDeadline(
                 self.rank, self.config.stop_grace_seconds, self.config.state_dir,
                 phase=self._phase_now, in_flight=self._in_flight, flush_ledger=self._write_ledger,
+                loop_left=lambda: bool(getattr(monitor, "finished", False)),
             )  # fmt: skip
         on_sigterm = self._deadline.on_sigterm if self._deadline is not None else None
         self._signals = StopSignals(self.config.handle_signals, self.config.stop_when_orphaned, on_sigterm)
@@ -280,6 +281,8 @@ class ControlChannel:
         down, not finished, to Prometheus, and page as RankscopeRankDown. Local: issues no collective. Call
         it from the thread that created the channel, as close(): the signal handlers are put back there."""
         self._settle_stop()
+        if self._deadline is not None:
+            self._deadline.reached.set()  # the loop has left: a SIGTERM during the linger has no boundary to reach
         if linger_seconds > 0:
             logger.info("rankscope: rank %d serves for %.0fs more (finish)", self.rank, linger_seconds)
             time.sleep(linger_seconds)

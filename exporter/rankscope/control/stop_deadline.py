@@ -3,8 +3,9 @@
 SIGTERM means "checkpoint, then stop" at the next step boundary, agreed by every rank (`stops`). A rank
 that is hung, or waits in a collective for a peer that is, never gets there, and its launcher kills it
 (torchrun 30 s after the signal) without a word. So on SIGTERM each rank gives the stop
-`control.stop_grace_seconds`. If by then the stop has not been agreed at a boundary (and no checkpoint is
-being written, which is what the signal asked for), the rank
+`control.stop_grace_seconds`. If by then the stop has not been agreed at a boundary, the loop has not left
+(`channel.finish()`/`close()`, `monitor.finish()`) and the rank is not writing a checkpoint or validating
+(work a loop does on its way to the boundary, or on its way out: waited for), the rank
 
 1. takes its own stacks, with its phase and the collective it has in flight, and writes them beside the
    checkpoints (`control.state_dir`; without one, into the log);
@@ -36,8 +37,10 @@ logger = logging.getLogger("rankscope")
 UNCHECKPOINTED_EXIT_STATUS = 143
 #: Phases in which a rank waits for its peers: the one that did not arrive is elsewhere.
 _WAITING_PHASES = ("collective", "step_boundary")
-#: How often a checkpoint being written at the deadline is looked at again.
-_CHECKPOINT_POLL_SECONDS = 0.5
+#: Phases of work on the way to the boundary or out of the loop: waited for past the deadline.
+_WORKING_PHASES = ("checkpoint", "validation")
+#: How often such work is looked at again.
+_POLL_SECONDS = 0.5
 
 #: (this rank's phase, Unix time it began), as rankscope_phase shows it.
 PhaseReader = Callable[[], tuple[str, float]]
@@ -56,22 +59,26 @@ class StopDeadline:
         phase: PhaseReader,
         in_flight: InFlightReader | None = None,
         flush_ledger: Callable[[], bool] = lambda: False,
+        loop_left: Callable[[], bool] = lambda: False,
         leave: Callable[[int], None] = os._exit,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.reached = threading.Event()
         self._rank, self._grace, self._state_dir = rank, grace_seconds, state_dir
-        self._phase, self._in_flight, self._flush_ledger = phase, in_flight, flush_ledger
+        self._phase, self._in_flight, self._flush_ledger, self._loop_left = phase, in_flight, flush_ledger, loop_left
         self._leave, self._clock = leave, clock
 
     def on_sigterm(self) -> None:
         """SIGTERM arrived (called on a thread of its own): wait out the grace, then give up if still short."""
         if self.reached.wait(self._grace):
             return
-        while self._phase()[0] == "checkpoint":  # writing the checkpoint the signal asks for: let it finish
-            if self.reached.wait(_CHECKPOINT_POLL_SECONDS):
+        while not self.reached.is_set():
+            if self._loop_left():
+                return  # what remains is the loop's ending (its last checkpoint, a linger), not a hang
+            if self._phase()[0] not in _WORKING_PHASES:
+                self.give_up()
                 return
-        self.give_up()
+            self.reached.wait(_POLL_SECONDS)
 
     def give_up(self) -> None:
         """Stacks, ledger, one line, exit."""
