@@ -31,8 +31,8 @@ class ControlConfig:
     waits on a peer that is, never gets there: it then writes its stacks and phase (to state_dir), the goodput
     ledger and one line saying why it did not checkpoint, and exits with status 143, before the launcher's
     SIGKILL (torchrun's comes 30 s after the signal). 0: wait for the boundary however long it takes. Keep it
-    above the time between two control rounds (check_every_n_steps steps); a checkpoint being written is
-    waited for."""
+    above the time between two control rounds (check_every_n_steps steps); a checkpoint or validation under
+    way is waited for, and a loop that has left (monitor.finish(), channel.finish()) is not ended."""
     stop_when_orphaned: bool = True
     """Under torchrun, a rank whose agent process is gone checkpoints and stops instead of training on."""
     host: str = "127.0.0.1"
