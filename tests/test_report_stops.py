@@ -75,3 +75,28 @@ def test_the_rank_panels_draw_no_line_across_a_stop_and_mark_it_in_every_panel()
     assert "rank 1" in title and "data wait" in title and "rank 0" in title and "collective" in title
     ages = [line for line in stopped.get_lines() if str(line.get_label()) == "rank 1"][0]
     assert np.nanmax(ages.get_ydata()) > 25.0  # it climbs through the hang
+
+
+def test_the_small_multiples_and_the_heat_map_draw_no_compute_time_across_the_stop() -> None:
+    stops = find_stops([_last_step(0), _last_step(1)], interval=2.0)
+    figure = plots.rank_small_multiples_figure(_timings(), AXIS, None, stops)
+    for axis in figure.axes[:2]:
+        for line in axis.get_lines():
+            x, y = np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+            assert not np.isfinite(y[(x > 100.0) & (x < 144.0)]).any(), f"{axis.get_title(loc='left')} runs across"
+            assert not (np.diff(x[np.isfinite(y)]) > 10).any() or np.isnan(y).any()
+        assert [p for p in axis.patches if p.get_gid() == "stop"]
+    heat = plots.rank_heatmap_figure(_timings(), AXIS).axes[0].images[0]
+    left, right = heat.get_extent()[:2]
+    columns = heat.get_array().shape[1]
+    assert abs((right - left) / columns - 2.0) < 1e-6, "a column is not one 2 s sample: the gap shifts the time"
+    assert heat.get_array().mask[:, (120 - 0) // 2 + 5].all()  # 130 s: no sample, no colour
+
+
+def test_the_validation_line_does_not_run_across_a_stop() -> None:
+    from rankscope.report.stops import mask_stops
+
+    stops = find_stops([_last_step(0), _last_step(1)], interval=2.0)
+    val = Series({}, T0 + np.array([60.0, 90.0, 180.0, 210.0]), np.array([1.5, 1.3, 1.1, 1.0]))
+    broken = mask_stops(val, stops, gaps=False)
+    assert np.isnan(broken.v).sum() == 1 and T0 + 90 < broken.t[np.isnan(broken.v)][0] < T0 + 180

@@ -662,14 +662,14 @@ def _grid(count: int) -> tuple[int, int]:
 
 @_styled
 def rank_small_multiples_figure(
-    compute: Sequence[Series], axis_x: TimeAxis, straggler: Straggler | None = None
+    compute: Sequence[Series], axis_x: TimeAxis, straggler: Straggler | None = None, stops: Sequence[Stop] = ()
 ) -> Figure:
     """One small panel per rank: its compute time (in its colour) and the median over ranks (grey), shared axes.
 
     Reads at any number of ranks: panels shrink, the shared y keeps them comparable, and the
     straggler's panel is framed in red.
     """
-    ranked = [s for s in compute if s.rank is not None and len(s)]
+    ranked = [mask_stops(s, stops) for s in compute if s.rank is not None and len(s)]
     if not ranked:
         figure = _figure(1.6)
         _empty(figure.subplots(), "Compute time, rank by rank", "no per-rank compute series")
@@ -698,6 +698,7 @@ def rank_small_multiples_figure(
             others = _nanmedian(np.delete(values, index, axis=0)) if everyone is None else everyone
             axis.plot(axis_x.x(times), others, color=REFERENCE, lw=0.9, ls=(0, (3, 2)), zorder=3)
         axis.grid(False)
+        _draw_stops(axis, axis_x, [stop for stop in stops if stop.rank == s.rank])
         axis.set_title(f"rank {s.rank}", fontsize=6.5 if small else 8, loc="left", pad=1.5,
                        color=FIRING if s.rank == slow else "#333333",
                        fontweight="bold" if s.rank == slow else "normal")  # fmt: skip
@@ -720,10 +721,26 @@ def rank_small_multiples_figure(
     return figure
 
 
+def _regular(times: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`values[:, i]` at `times[i]` placed on a regular grid of the times' step, NaN columns where no time was:
+    an image's columns are equally wide, so a gap in the samples must be columns of its own."""
+    if len(times) < 2:
+        return times, values
+    steps = np.diff(times)
+    step = float(steps[steps > 0].min())
+    index = np.round((times - times[0]) / step).astype(int)
+    if index[-1] + 1 > 4 * len(times):  # not one grid (series of different resolutions): leave it
+        return times, values
+    grid = np.full((values.shape[0], int(index[-1]) + 1), np.nan)
+    grid[:, index] = values
+    return times[0] + step * np.arange(grid.shape[1]), grid
+
+
 @_styled
 def rank_heatmap_figure(compute: Sequence[Series], axis_x: TimeAxis) -> Figure:
     """Compute time over the other ranks' median, rank by time: 1 is white, slower red, faster blue."""
     times, ranks, ratios = ratio_to_median(compute)
+    times, ratios = _regular(times, ratios)
     height = min(7.0, 1.6 + 0.16 * max(len(ranks), 4))
     figure = _figure(height)
     axis = figure.subplots()

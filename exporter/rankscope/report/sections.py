@@ -144,8 +144,14 @@ def ranks(ctx: Context) -> Section:
             "Timings are means over the rate window. Grey: a stretch in which a rank made no step (from its last "
             "step, rankscope_last_step_timestamp_seconds); the lines break there.",
         ),
-        _fig(plots.rank_small_multiples_figure(ctx.compute, ctx.axis, found), "compute time, one panel per rank"),
-        _fig(plots.rank_heatmap_figure(ctx.compute, ctx.axis), "compute time against the other ranks, rank by time"),
+        _fig(
+            plots.rank_small_multiples_figure(ctx.compute, ctx.axis, found, ctx.stops),
+            "compute time, one panel per rank",
+        ),  # fmt: skip
+        _fig(
+            plots.rank_heatmap_figure([mask_stops(s, ctx.stops, gaps=False) for s in ctx.compute], ctx.axis),
+            "compute time against the other ranks, rank by time",
+        ),  # fmt: skip
     ]
     if len(found.ranking) > 1:
         rows = [[str(rank), f"{ratio:.2f}x"] for rank, ratio in found.ranking[:8]]
@@ -280,8 +286,8 @@ def _fig(figure: object, alt: str, caption: str = "") -> Figure:
 
 
 def _training_inputs(data: RunData, logged: dict[str, Series], stops: list[Stop]) -> plots.TrainingInputs:
-    """Prometheus's per-step series break where a rank made no step (their gauges hold the last step's values;
-    a validation's are its own)."""
+    """Prometheus's per-step series break where a rank made no step (their gauges hold the last step's values),
+    and the validation line does not run across a stop."""
 
     def get(name: str) -> list[Series]:
         return [mask_stops(s, stops) for s in data.get(name)]
@@ -289,12 +295,13 @@ def _training_inputs(data: RunData, logged: dict[str, Series], stops: list[Stop]
     loss = {s.labels.get("split"): s for s in data.get("loss")}
     if "train" in loss:
         loss["train"] = mask_stops(loss["train"], stops)
+    val_points = logged.get("val")
     grad_norm = get("grad_norm")
     return plots.TrainingInputs(
         train_loss=loss.get("train"),
-        val_loss=loss.get("val"),
+        val_loss=mask_stops(loss["val"], stops, gaps=False) if "val" in loss else None,
         per_step_loss=logged.get("loss"),
-        val_points=logged.get("val"),
+        val_points=mask_stops(val_points, stops, gaps=False) if val_points is not None else None,
         accuracy=get("accuracy"),
         learning_rate=get("learning_rate"),
         per_step_lr=logged.get("lr"),

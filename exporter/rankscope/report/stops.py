@@ -95,18 +95,23 @@ def find_stops(
     return sorted(found, key=lambda stop: (stop.start, stop.rank))
 
 
-def mask_stops(series: Series, stops: Sequence[Stop]) -> Series:
+def mask_stops(series: Series, stops: Sequence[Stop], gaps: bool = True) -> Series:
     """`series` with NaN in its rank's stops, or in every stop for a series of no rank (an aggregate: no new
     value came from the stopped rank), so a line breaks there (a rate-window mean there is of the steps before
-    the stop, a gauge holds its last step's value); and a NaN between points further apart than its grid (no
+    the stop, a gauge holds its last step's value), and between two points on either side of a stop; with
+    `gaps` (a range query's series, on a regular grid) a NaN between points further apart than its grid (no
     sample, no line across)."""
     t, v = series.t.copy(), series.v.copy()
+    apart = np.zeros(max(len(t) - 1, 0), dtype=bool)  # between points i and i + 1 the line must break
     for stop in stops:
         if series.rank is None or stop.rank == series.rank:
             v[(t > stop.start) & (t <= stop.end)] = np.nan
+            apart |= (t[:-1] <= stop.start) & (t[1:] >= stop.end)  # sparse points (validations) on either side
     grid = _grid(series)
-    if math.isfinite(grid) and len(t) > 1:
-        cuts = np.flatnonzero(np.diff(t) > 1.5 * grid) + 1
+    if gaps and math.isfinite(grid) and len(t) > 1:
+        apart |= np.diff(t) > 1.5 * grid
+    if apart.any():
+        cuts = np.flatnonzero(apart) + 1
         t = np.insert(t, cuts, (t[cuts - 1] + t[cuts]) / 2)
         v = np.insert(v, cuts, np.nan)
     return Series(dict(series.labels), t, v, series.name)
