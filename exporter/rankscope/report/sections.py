@@ -189,6 +189,10 @@ def incidents_section(ctx: Context) -> Section:
 def analyses(ctx: Context) -> Section:
     x, slope, unit, window = _loss_rate(ctx.data, ctx.log)
     cx, correlation, cwindow = _lr_loss_correlation(ctx.data, ctx.log)
+    # Not drawn across a stretch in which a rank made no step (there is no rate of change to speak of there).
+    rate = mask_stops(Series({}, x, slope), ctx.stops, gaps=False)
+    together = mask_stops(Series({}, cx, correlation), ctx.stops, gaps=False)
+    x, slope, cx, correlation = rate.t, rate.v, together.t, together.v
     pairs, x_label, y_label = _memory_pairs(ctx.data)
     return Section("analyses", "Analyses", [
         _fig(plots.loss_rate_figure(x, slope, ctx.axis, unit, window, ctx.marks), "loss rate of change"),
