@@ -120,3 +120,33 @@ def test_a_killed_rank_0_with_data_workers_is_restarted_and_the_job_completes(tr
     assert resumes and resumes[0]["step"] >= 10, job.tail()
     assert job.records("finished")[-1]["step"] == 40
     assert "already in use" not in job.output.read_text()
+
+
+def test_sigterm_with_a_hung_rank_leaves_each_ranks_stacks_and_reason_before_torchrun_kills(trainer_job) -> None:
+    # Rank 1 blocks for ever waiting for its next batch; rank 0 waits for it in DDP's all-reduce, in C++. No step
+    # boundary comes, so no checkpoint: within control.stop_grace_seconds each rank says why in one line and
+    # leaves its stacks beside the checkpoints, before torchrun's SIGKILL (30 s after the signal).
+    hang_at = 8
+    job = trainer_job(
+        "sigterm_hung",
+        [*ENDLESS, f"faults.hang.at_step={hang_at}", "faults.hang.rank=1", "faults.hang.kind=data",
+         "control.stop_grace_seconds=3"],
+    )  # fmt: skip
+    job.wait_for(lambda: "rank 1 hangs at step" in job.output.read_text(), "rank 1 to hang")
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGTERM)
+    job.wait_exit(timeout=60)
+    assert time.monotonic() - sent < 30, job.tail()
+    output = job.output.read_text()
+    assert "forcefully exiting" not in output and "SIGKILL" not in output, job.tail()
+    lines = [line for line in output.splitlines() if "SIGTERM: no checkpoint written" in line]
+    assert len(lines) == 2, job.tail()
+    (hung,) = [line for line in lines if "rankscope: rank 1:" in line]
+    assert "rank 1 did not reach the step boundary" in hung and "phase data_wait" in hung, hung
+    (waiting,) = [line for line in lines if "rankscope: rank 0:" in line]
+    assert "a peer did not reach the step boundary" in waiting and "all_reduce (data)" in waiting, waiting
+    for rank in (0, 1):
+        (stacks,) = job.checkpoint_dir.glob(f"rankscope-stacks-sigterm-*-rank{rank}.txt")
+        assert str(stacks) in (hung if rank else waiting)
+    assert "_hang_in_data_loader in faults.py" in next(job.checkpoint_dir.glob("*-rank1.txt")).read_text()
+    assert not [r for r in job.records("checkpoint") if r["reason"].startswith("stop:")]
