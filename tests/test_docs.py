@@ -96,3 +96,30 @@ def test_the_sharded_checkpoint_and_resume_are_shown_where_the_contract_is_read(
     }
     assert ("examples/fsdp2_loop.py", "def checkpoint(self, reason: str) -> Path:") in quoted["instrumenting.md"]
     assert ("examples/fsdp2_loop.py", "def load(self, path: Path) -> dict:") in quoted["loop-contract.md"]
+
+
+# --- the documented test commands ------------------------------------------------------------------------------
+
+
+def _make_variable(name: str) -> str:
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    found = re.search(rf"^{name} = (.*)$", text, flags=re.M)
+    assert found, f"Makefile: no {name}"
+    return found.group(1)
+
+
+def test_make_test_runs_the_whole_suite_and_ci_runs_make_test():
+    recipe = re.search(r"^test: .*\n\t(.*)$", (REPO / "Makefile").read_text(), flags=re.M)
+    assert recipe and recipe.group(1).strip() == ".venv/bin/python -m pytest", recipe
+    assert "make test\n" in (REPO / ".ci" / "run").read_text()
+
+
+def test_everything_the_fast_target_leaves_out_exists():
+    # A renamed file or test would silently run again in test-fast: pytest ignores what it cannot find.
+    for option, target in re.findall(r"--(ignore|deselect)[= ](\S+)", _make_variable("FAST_SKIP")):
+        path, _, name = target.partition("::")
+        assert (REPO / path).is_file(), f"FAST_SKIP: --{option} {target}: no such file"
+        if name:
+            assert f"def {name}(" in (REPO / path).read_text(), f"FAST_SKIP: --{option} {target}: no such test"
+    for page in ("README.md", "docs/development.md"):
+        assert "make test-fast" in (REPO / page).read_text(), f"{page} does not mention make test-fast"

@@ -35,9 +35,10 @@ def test_the_trainer_without_its_extra_says_in_one_line_what_to_install():
     assert "numpy" in lines[0] and "pip install 'rankscope[trainer]'" in lines[0], lines[0]
 
 
-def test_each_missing_trainer_package_is_named():
-    for module in TRAINER_ONLY:
-        result = _python(RUN_THE_TRAINER, [module])
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1, (module, result.stderr)
-        assert module in lines[0] and "rankscope[trainer]" in lines[0], (module, lines[0])
+def test_numpy_alone_missing_is_named_before_torch_warns_about_it():
+    # torch prints a warning at import when numpy is missing: the check comes first, so the line stays alone.
+    result = _python(RUN_THE_TRAINER, ["numpy"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "trainer: error: numpy cannot be imported (No module named 'numpy'): pip install 'rankscope[trainer]'"
+    ]
