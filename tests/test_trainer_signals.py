@@ -133,10 +133,13 @@ def test_sigterm_with_a_hung_rank_leaves_each_ranks_stacks_and_reason_before_tor
          "control.stop_grace_seconds=3"],
     )  # fmt: skip
     job.wait_for(lambda: "rank 1 hangs at step" in job.output.read_text(), "rank 1 to hang")
+    ranks = job.rank_processes()
+    workers = [child for rank in ranks.values() for child in rank.children(recursive=True)]
     sent = time.monotonic()
     job.proc.send_signal(signal.SIGTERM)
     job.wait_exit(timeout=60)
     assert time.monotonic() - sent < 30, job.tail()
+    assert _wait_gone([*ranks.values(), *workers], timeout=10) == []  # DataLoader workers too
     output = job.output.read_text()
     assert "forcefully exiting" not in output and "SIGKILL" not in output, job.tail()
     lines = [line for line in output.splitlines() if "SIGTERM: no checkpoint written" in line]

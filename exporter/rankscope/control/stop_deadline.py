@@ -12,7 +12,7 @@ that is hung, or waits in a collective for a peer that is, never gets there, and
 2. writes the goodput ledger (rank 0 keeps it), so that the hang's last seconds are accounted;
 3. logs one line: no checkpoint was written, and why (this rank did not reach the boundary, in phase P; or
    it waits in a collective for a peer that did not);
-4. exits with UNCHECKPOINTED_EXIT_STATUS (143: as if the signal had ended it).
+4. ends its DataLoader workers and exits with UNCHECKPOINTED_EXIT_STATUS (143: as if the signal had ended it).
 
 Rank-local: no collective (it would wait behind the hang) and no network (a peer may be gone already).
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rankscope.control.stacks import InFlightReader, fold, own_stacks, render, write_stacks
+from rankscope.control.stops import end_daemon_children
 
 __all__ = ["UNCHECKPOINTED_EXIT_STATUS", "StopDeadline"]
 
@@ -97,6 +98,10 @@ class StopDeadline:
         )  # fmt: skip
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
+        try:  # the exit runs no atexit hook: DataLoader workers, which ignore SIGTERM, are ended here
+            end_daemon_children()
+        except Exception:
+            logger.exception("rankscope: rank %d: ending the DataLoader workers failed", self._rank)
         self._leave(UNCHECKPOINTED_EXIT_STATUS)
 
     def reason(self, answer: dict[str, Any]) -> str:
