@@ -41,7 +41,7 @@ class ShardedRun:
         config_dir = generate_rules(workdir / "generated", RULE_SETTINGS)
         self.monitoring = MonitoringStack(
             workdir, self.ports, NPROC, token, interval=f"{INTERVAL_SECONDS}s", config_dir=config_dir,
-            notify_within="1s",
+            notify_within="500ms",
         )  # fmt: skip
         self.monitoring.start()
         self.proc = None
