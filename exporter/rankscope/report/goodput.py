@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import matplotlib
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -245,6 +246,11 @@ _COLOURS = {
 def time_axes(series: list[Series], axis_x: plots.TimeAxis) -> Axes:
     """Stacked cumulative seconds by bucket on the report's time axis (m:ss since the run's first sample),
     productive at the bottom."""
+    with matplotlib.rc_context(plots._STYLE):  # the report's style, as every other figure
+        return _time_axes(series, axis_x)
+
+
+def _time_axes(series: list[Series], axis_x: plots.TimeAxis) -> Axes:
     by_bucket = {s.labels.get("bucket", ""): s for s in series if len(s)}
     times = sorted({float(t) for s in by_bucket.values() for t in s.t})
     figure = plots._figure(2.6)
@@ -262,6 +268,7 @@ def time_axes(series: list[Series], axis_x: plots.TimeAxis) -> Axes:
             colors=[_COLOURS[name] for name in stack],
         )
         axes.legend(loc="upper left", fontsize=8, ncols=len(stack))
+    axes.set_axisbelow(True)  # the grid under the areas
     axis_x.apply(axes)
     axes.set_ylabel("seconds of wall time")
     return axes

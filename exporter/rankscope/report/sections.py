@@ -161,15 +161,22 @@ def ranks(ctx: Context) -> Section:
 
 def resources(ctx: Context) -> Section:
     data = ctx.data
+
+    def sampled(name: str) -> list[Series]:  # measured while the process lives: broken only where not sampled
+        return [mask_stops(s, ()) for s in data.get(name)]
+
+    def stepped(name: str) -> list[Series]:  # made by steps: broken where a rank made none, too
+        return [mask_stops(s, ctx.stops) for s in data.get(name)]
+
     inputs = plots.ResourceInputs(
-        host_memory=data.get("host_memory"),
-        process_memory=data.get("process_memory"),
-        device_memory=data.get("device_memory"),
-        gpu_utilization=data.get("gpu_utilization"),
-        samples_rate=data.one("samples_rate"),
-        tokens_rate=data.one("tokens_rate"),
-        host_load=data.get("host_load"),
-        step_time=data.get("step_time"),
+        host_memory=sampled("host_memory"),
+        process_memory=sampled("process_memory"),
+        device_memory=sampled("device_memory"),
+        gpu_utilization=sampled("gpu_utilization"),
+        samples_rate=next(iter(stepped("samples_rate")), None),
+        tokens_rate=next(iter(stepped("tokens_rate")), None),
+        host_load=sampled("host_load"),
+        step_time=stepped("step_time"),
     )
     figure = plots.resources_figure(inputs, ctx.axis, ctx.marks)
     alt = "host, process and device memory, GPU use, throughput, the host's CPU load"
