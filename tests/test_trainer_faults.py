@@ -3,8 +3,9 @@
 The unit tests drive a FaultInjector directly. The integration tests share one
 2-rank torchrun run (CPU is scarce) with every switch but the crash on, at
 different steps and ranks, and scrape both ranks' /metrics over HTTP once the
-run has finished (it keeps serving for `run.linger_seconds`). The crash is
-tested with torchrun's restarts in test_trainer_training.py.
+run has finished (it keeps serving for `run.linger_seconds`). A schedule of two
+crashes runs under torchrun's restarts (each fires once per job); the single
+crash switch is also tested with restarts in test_trainer_training.py.
 """
 
 from __future__ import annotations

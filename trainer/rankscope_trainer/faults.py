@@ -49,9 +49,9 @@ What each one does, and the signal it leaves:
   `rankscope_host_memory_used_ratio`: RankscopeHostMemoryHigh fires once the node's
   ratio stays above its threshold for its `for`, and its action (`checkpoint`)
   saves but frees nothing; the ratio falls at `until_step` and the alert resolves.
-  Chunks of 32 MB or more are returned to the OS at once; smaller ones sit on
-  the heap, and an allocator other than glibc's may keep them, so RSS may not
-  shrink everywhere.
+  Under glibc, chunks of 32 MB or more are unmapped at once and malloc_trim
+  returns the heap's free pages; another allocator (jemalloc, tcmalloc through
+  LD_PRELOAD) may keep what it freed, so RSS may not shrink everywhere.
 * straggler: from `at_step` until `until_step` (0 = for ever), the rank spends
   `seconds` more per step between forward and backward, sleeping (`mode: sleep`)
   or multiplying matrices (`mode: compute`, a real busy CPU/GPU). Its
