@@ -18,14 +18,21 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from PIL import Image, ImageStat
+from rankscope.report.build import ReportRequest, build_report
+from rankscope.report.collect import collect
+from rankscope.report.prom import Prometheus
+from rankscope.report.run import find_run
+from rankscope.report.runlog import read_run_log
 from rankscope.report.sections import SECTIONS
+from rankscope.report.stops import find_stops
 
-from tests.e2e.harness import UNTIL_STOPPED, Stack
+from tests.e2e.harness import UNTIL_STOPPED, Stack, step_started_at
 from tests.support import REPO
 
 pytestmark = pytest.mark.e2e
@@ -180,3 +187,42 @@ def test_the_report_renders_in_headless_chromium_at_1280_px(reported, tmp_path) 
         assert ImageStat.Stat(band).stddev[0] > 20, f"the screenshot is blank from y={top}"
     dark = sum(count for count, value in image.getcolors(256) or [] if value < 128)  # type: ignore[misc]
     assert dark > 0.02 * 1280 * 4000, "too little ink: the plots did not render"
+
+
+HANG_AT, CHECKPOINT_EVERY = 31, 20  # rank 1 blocks in its data loader at step 31; the newest checkpoint is step 20
+
+
+def test_a_hang_and_its_restart_are_drawn_as_a_stretch_without_steps(stack, tmp_path) -> None:
+    """Issue 34: the real trainer hangs on rank 1, RankscopeRankHung's restart restarts the group from step 20.
+    No logged step is placed in the hang or the restart (the restarted group's first flush was spread back
+    over them), and the report finds each rank's stop from Prometheus with what the rank was doing."""
+    st: Stack = stack("report-hang")
+    job = st.start_trainer(
+        [f"faults.hang.at_step={HANG_AT}", "faults.hang.rank=1", "faults.hang.kind=data",
+         f"checkpoint.every_steps={CHECKPOINT_EVERY}"],
+        max_steps=UNTIL_STOPPED, resume="auto", max_restarts=1,
+    )  # fmt: skip
+    st.wait_for_firing("RankscopeRankHung", timeout=180)
+    hung_at = step_started_at(job, HANG_AT)  # before the restarted group logs step 30 again
+    st.wait(lambda: st.settled("restart"), "the restart applied by the new incarnation", 240)
+    st.wait_for_step(st.status()["step"] + 2 * CHECKPOINT_EVERY, timeout=180)
+    assert st.stop_trainer() == 0
+
+    log = read_run_log(job.log_file)
+    (restarted,) = [r for r in log.of("start") if r["time"] > hung_at]
+    train = log.train()
+    inside = (train["time"] > hung_at) & (train["time"] < restarted["time"])
+    assert not inside.any(), f"steps {train['step'][inside]} drawn between the hang and the restarted group's start"
+    assert train["segment"][train["time"] > restarted["time"]].min() > train["segment"][train["time"] <= hung_at].max()
+
+    prom = Prometheus(st.prometheus_url)
+    now = time.time()
+    data = collect(prom, find_run(prom, st.run_id, now), now)
+    stops = find_stops(data.get("last_step"), data.run.interval, data.get("step_time"), data.get("phase"))
+    hung = [s for s in stops if s.rank == 1 and s.start <= hung_at + 1.0 < restarted["time"] <= s.end + 30.0]
+    assert hung and hung[0].phase == "data_wait", stops
+    assert any(s.rank == 0 and s.start <= hung_at + 1.0 and s.phase == "collective" for s in stops), stops
+
+    out = tmp_path / "report.html"
+    build_report(ReportRequest(st.prometheus_url, out, st.run_id, log=Path(job.log_file)))
+    print(f"report of the hang: {out}")
