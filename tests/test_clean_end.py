@@ -49,6 +49,7 @@ def test_a_clean_end_leaves_every_rank_finished_and_raises_no_rank_down(tmp_path
             env={"RANKSCOPE_CONTROL_TOKEN": job.token},
         )  # fmt: skip
         try:
+            job.wait_ready()  # rank 0's control endpoint answers (it starts after the metrics pages)
             training = f'rankscope_run_finished{{run_id="{RUN_ID}"}} == 0'
             wait_for(lambda: len(stack.query(training)) == 2, 180, "both ranks scraped while training", diagnose)
             assert job.wait_settled(job.post_action("stop"), timeout=60)["status"] == "applied"
