@@ -64,10 +64,12 @@ def counted_in_window(counter: str, window: str) -> str:
 
 def applied(action: str, window: str) -> str:
     """Runs whose trainer applied `action` within `window` (rank 0 counts each settled action once). The
-    counter's series is born at its first increase, which increase() cannot see: a series that is there now
-    and was not `window` ago counts too."""
+    counter's series is born at its first increase, which increase() cannot see: a series with samples in the
+    window and none in the window before counts too. Both read ranges, not the instant value, so an action
+    applied just before a restart (whose page, and series, went with the old processes) still counts."""
     done = f'{metric_name("control_actions_total")}{{action="{action}", result="applied"}}'
-    return f"max by ({RUN}) (\n  increase({done}[{window}]) > 0\n  or\n  ({done} unless {done} offset {window})\n)"
+    born = f"count_over_time({done}[{window}]) unless count_over_time({done}[{window}] offset {window})"
+    return f"max by ({RUN}) (\n  increase({done}[{window}]) > 0\n  or\n  ({born})\n)"
 
 
 def rate_by(by: str, series: str, window: str, matchers: str = "") -> str:
