@@ -103,6 +103,36 @@ def test_a_hang_is_the_whole_gap_from_the_last_step_once_it_passes_the_floor_liv
     assert _wall(ledger.totals()) == pytest.approx(clock.now - 1000.0)
 
 
+def test_the_exposed_buckets_never_decrease_while_a_gap_turns_into_a_hang() -> None:
+    # They are counters (rankscope_goodput_seconds_total): a drop reads as a reset to Prometheus's increase().
+    # Until a gap passes the threshold it is not yet known to be training or a hang: it is counted at its end.
+    clock = Clock()
+    ledger = GoodputLedger(process_start=clock.now, hang_floor_seconds=10, clock=clock)
+    ledger.first_step(clock.now, 0)
+    seen = [ledger.totals()]
+
+    def wait(seconds: float) -> None:
+        for _ in range(int(seconds * 2)):
+            clock.tick(0.5)
+            seen.append(ledger.totals())
+
+    for index in range(1, 4):
+        wait(1)
+        ledger.on_step(index, clock.now)
+    wait(25)  # a hang: past the threshold at 10 s
+    ledger.on_step(4, clock.now)
+    wait(1)
+    ledger.enter("checkpoint")
+    wait(3)
+    ledger.leave(saved_step=4)
+    wait(9)
+    ledger.on_step(5, clock.now)
+    seen.append(ledger.totals())
+    for before, after in zip(seen, seen[1:], strict=False):
+        assert all(after[bucket] >= before[bucket] for bucket in BUCKETS), (before, after)
+    assert seen[-1]["hang"] == pytest.approx(25) and _wall(seen[-1]) == pytest.approx(clock.now - 1000.0)
+
+
 def test_the_hang_threshold_is_the_alerts_multiple_of_the_recent_step_time() -> None:
     clock = Clock()
     ledger = GoodputLedger(process_start=clock.now, hang_floor_seconds=10, hang_step_multiple=10, clock=clock)

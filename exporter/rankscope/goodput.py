@@ -165,9 +165,12 @@ class GoodputLedger:
     # --- reading (any thread) ---------------------------------------------------------------------------
 
     def totals(self, now: float | None = None) -> dict[str, float]:
-        """Seconds per bucket up to `now` (default: the clock), the open interval included."""
+        """Seconds per bucket up to `now` (default: the clock), as exposed: the open interval included, but not
+        the time since the last activity while it is below the hang threshold. Until then it is not known to
+        be training or a hang; counted either way, one bucket would have to give it back to the other, and
+        the buckets are counters. It is counted when the step ends (or as hang once past the threshold)."""
         with self._lock:
-            return self._totals(self._clock() if now is None else now)
+            return self._totals(self._clock() if now is None else now, settled=False)
 
     def flush(self) -> None:
         """Write the ledger beside the checkpoints (no-op without a directory); a failure is logged, not raised."""
@@ -202,17 +205,22 @@ class GoodputLedger:
     def _live_hang(self, now: float) -> float:
         return self._hang(now) if self._state == "training" else 0.0
 
-    def _open(self, now: float) -> dict[str, float]:
-        """The open interval's seconds, by bucket."""
+    def _open(self, now: float, settled: bool = True) -> dict[str, float]:
+        """The open interval's seconds, by bucket. `settled`: the gap since the last activity, not (yet) a hang,
+        counted as training (when the interval closes, in the record a next incarnation reads), else left out."""
         seconds = max(0.0, now - self._since)
         if self._state != "training":
             return {self._state: seconds}
-        hang = self._hang_open + self._live_hang(now)
-        return {"training": max(0.0, seconds - hang), "hang": hang}
+        live = self._live_hang(now)
+        hang = self._hang_open + live
+        pending = 0.0
+        if not settled and not live and self._last_activity is not None:
+            pending = max(0.0, now - self._last_activity)
+        return {"training": max(0.0, seconds - hang - pending), "hang": hang}
 
-    def _totals(self, now: float) -> dict[str, float]:
+    def _totals(self, now: float, settled: bool = True) -> dict[str, float]:
         totals = dict(self._closed)
-        for bucket, seconds in self._open(now).items():
+        for bucket, seconds in self._open(now, settled).items():
             totals[bucket] += seconds
         return totals
 
