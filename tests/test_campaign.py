@@ -31,17 +31,17 @@ def _arm(name: str, records: list[dict], *, alerts: list[dict] | None = None, en
     )  # fmt: skip
 
 
-def test_the_ground_truth_counts_each_step_once_at_its_last_training_and_a_first_step_as_a_typical_one() -> None:
+def test_the_ground_truth_counts_each_step_once_at_its_last_training_and_a_first_step_from_its_start_record() -> None:
     # Incarnation 1: steps 1-30, one a second from t=10; it dies, and incarnation 2 resumes from step 20 at t=60.
     first = [{"type": "start", "time": 9.0}, *[_train(s, 10.0 + s) for s in range(1, 31)]]
-    second = [{"type": "start", "time": 55.0}, {"type": "resume", "step": 20, "time": 59.0},
+    second = [{"type": "resume", "step": 20, "time": 54.9}, {"type": "start", "time": 59.0},
               *[_train(s, 60.0 + (s - 20) * 2) for s in range(21, 41)]]  # fmt: skip
     times = step_times(first + second)
     assert sorted(times) == list(range(1, 41))
     assert times[25] == (70.0, 2.0)  # the second training of step 25 is the one that counts
-    assert times[21] == (62.0, 3.0)  # from the resume record (t=59) to its end
-    assert times[1] == (11.0, 1.0)  # the first step of the job: a typical step of its incarnation, not its start-up
-    assert sum(d for _, d in times.values()) == pytest.approx(20 * 1.0 + 3.0 + 19 * 2.0)
+    assert times[21] == (62.0, 3.0)  # from its incarnation's start record (t=59) to its end
+    assert times[1] == (11.0, 2.0)  # the job's first step: from the start record (t=9)
+    assert sum(d for _, d in times.values()) == pytest.approx(2.0 + 19 * 1.0 + 3.0 + 19 * 2.0)
 
 
 def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_false_alarm() -> None:

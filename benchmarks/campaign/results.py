@@ -3,8 +3,9 @@ and cost, false alarms, nothing lost.
 
 Ground truth, from outside the library (the run log's per-step records and the runner's clock):
 
-- a step's time is from the record before it (the previous step's end, or a validation's or checkpoint's end,
-  in the same incarnation) to its own end; the first step of an incarnation counts one median step;
+- a step's time is from the record before it in the same incarnation (the previous step's end, a validation's
+  or a checkpoint's end, or, for the first step, the `start` record the trainer writes when its set-up is
+  done and its loop begins) to its own end;
 - the steps that count are each step's last record (a restart, a resume or a rollback trains a step again,
   and only its last training is in the final model);
 - goodput is their time over the job's wall time: from the first rank 0 process's start (the OS's clock) to
@@ -15,7 +16,6 @@ The ledger's goodput is (training - lost) / (every bucket but lost), as rankscop
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,21 +84,13 @@ def step_times(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
     durations: dict[int, tuple[float, float]] = {}
     for part in _incarnations(records):
         previous: float | None = None
-        first: int | None = None
-        own: list[float] = []
         for record in part:
-            if record.get("type") == "train":
+            kind = record.get("type")
+            if kind == "train":
                 step = int(record["step"])
-                if previous is None:
-                    first = step
-                else:
-                    own.append(record["time"] - previous)
                 durations[step] = (record["time"], record["time"] - previous if previous is not None else 0.0)
-            if record.get("type") in ("train", "val", "checkpoint", "resume", "action"):
+            if kind in ("start", "train", "val", "checkpoint"):
                 previous = record["time"]
-        if first is not None and durations[first][1] == 0.0:
-            # Its start-up is not training: it counts as a typical step of its own incarnation.
-            durations[first] = (durations[first][0], statistics.median(own) if own else 0.0)
     return durations
 
 
