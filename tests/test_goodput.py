@@ -147,17 +147,19 @@ def test_the_hang_threshold_is_the_alerts_multiple_of_the_recent_step_time() -> 
     assert ledger.totals()["hang"] == pytest.approx(32)
 
 
-def test_the_recent_step_time_is_the_highest_window_mean_within_the_lookback() -> None:
+def test_the_recent_step_time_is_the_window_mean_up_to_the_last_step_kept_through_a_hang() -> None:
     threshold = HangThreshold(floor_seconds=1, step_multiple=10, window_seconds=60, lookback_seconds=600)
     assert threshold.seconds(0.0) == 1  # no step yet: the floor
-    for index in range(1, 11):
-        threshold.add_step(float(index), 1.0)  # mean 1 s
-    threshold.add_step(11.0, 12.0)  # mean (10 + 12) / 11 = 2 s
-    assert threshold.recent_step_seconds(11.0) == pytest.approx(2.0)
-    for at in range(100, 160):
-        threshold.add_step(float(at), 1.0)  # a minute of 1 s steps: the window's mean is 1 s again...
-    assert threshold.seconds(160.0) == pytest.approx(20.0)  # ...the lookback keeps the 2 s
-    assert threshold.seconds(612.0) == pytest.approx(10.0)  # until it leaves the lookback
+    threshold.add_step(30.0, 30.0)  # a first step that compiles for 30 s
+    assert threshold.seconds(30.0) == pytest.approx(300.0)
+    for at in range(31, 61):
+        threshold.add_step(float(at), 1.0)  # faster steps outnumber it: (30 + 30) / 31
+    assert threshold.recent_step_seconds(60.0) == pytest.approx(60 / 31)
+    for at in range(61, 91):
+        threshold.add_step(float(at), 1.0)  # a minute of 1 s steps: the first step has left the window
+    assert threshold.seconds(90.0) == pytest.approx(10.0)
+    assert threshold.seconds(689.0) == pytest.approx(10.0)  # no step since (a hang): the mean holds...
+    assert threshold.seconds(691.0) == 1  # ...for the lookback
 
 
 def test_start_up_and_the_first_step_are_never_a_hang_however_long() -> None:

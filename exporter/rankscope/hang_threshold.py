@@ -5,11 +5,11 @@ max(`floor_seconds`, `step_multiple` x its recent step time). The hang began at 
 whole gap is the hang, not only its part beyond the threshold. Start-up and the first step of each
 incarnation (compilation, a checkpoint load) are never a hang: nothing has ended yet to be late after.
 
-The recent step time is the mean step time over `window_seconds`, the highest such mean within
-`lookback_seconds` (so a hang, whose own long step enters the mean once it ends, cannot shrink its own
-threshold, and a run that steps slowly keeps its longer threshold). The defaults below are the shipped
-ones of both: `rankscope.config.MonitorConfig` (the ledger) and `rankscope.mixin.config.Tunables` (the rules)
-read them, so the two cannot drift.
+The recent step time is the mean time of the steps that ended within `window_seconds` of the last one, kept
+while no step ends (a hang) for up to `lookback_seconds`. It follows the run: a long first step (compilation)
+weighs in only until faster steps outnumber it, and a run that slows down gets a longer threshold as its
+steps do. The defaults below are the shipped ones of both: `rankscope.config.MonitorConfig` (the ledger) and
+`rankscope.mixin.config.Tunables` (the rules) read them, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -27,13 +27,17 @@ __all__ = [
     "duration_seconds",
 ]
 
-#: Never hung sooner than this after the last activity.
-FLOOR_SECONDS = 20.0
+#: Never hung sooner than this after the last activity. At 1 s scrape and evaluation intervals the alert fires
+#: within a second of it (the stall is the Unix time of the last step, not a count the scrape must see change):
+#: a hang pages within 10 s. What is slow but not hung is excused, not measured against it: start-up and each
+#: incarnation's first step (no step completed yet), checkpoints, validation and pauses (until the threshold
+#: after they end), and steps slower than a tenth of it (the threshold is then 10 x the step time).
+FLOOR_SECONDS = 8.0
 #: Hung after this many recent step times without a step.
 STEP_MULTIPLE = 10.0
 #: The recent step time: the mean over this window...
 WINDOW_SECONDS = 300.0
-#: ...the highest such mean within this range.
+#: ...kept this long after the last step.
 LOOKBACK_SECONDS = 3600.0
 
 _UNITS = (("h", 3600), ("m", 60), ("s", 1))
@@ -72,11 +76,8 @@ class HangThreshold:
         self.step_multiple = step_multiple
         self.window_seconds = window_seconds
         self.lookback_seconds = lookback_seconds
-        self._steps: deque[tuple[float, float]] = deque()  # (ended, seconds) within the window
+        self._steps: deque[tuple[float, float]] = deque()  # (ended, seconds) within the window of the last one
         self._sum = 0.0
-        # (at, mean) within the lookback, means strictly decreasing: the front is the highest. A mean followed
-        # by a higher one can never be the highest again, so it is dropped (a monotonic queue: O(1) a step).
-        self._means: deque[tuple[float, float]] = deque()
 
     def add_step(self, ended: float, seconds: float) -> None:
         """A step of `seconds` ended at `ended` (Unix seconds)."""
@@ -84,16 +85,12 @@ class HangThreshold:
         self._sum += seconds
         while self._steps[0][0] <= ended - self.window_seconds:
             self._sum -= self._steps.popleft()[1]
-        mean = max(0.0, self._sum) / len(self._steps)
-        while self._means and self._means[-1][1] <= mean:
-            self._means.pop()
-        self._means.append((ended, mean))
 
     def recent_step_seconds(self, now: float) -> float | None:
-        """The highest window mean within the lookback; None without a step in it."""
-        while self._means and self._means[0][0] <= now - self.lookback_seconds:
-            self._means.popleft()
-        return self._means[0][1] if self._means else None
+        """The mean of the window up to the last step; None without a step within the lookback."""
+        if not self._steps or self._steps[-1][0] <= now - self.lookback_seconds:
+            return None
+        return max(0.0, self._sum) / len(self._steps)
 
     def seconds(self, now: float) -> float:
         """A gap without activity longer than this, at `now`, is a hang."""

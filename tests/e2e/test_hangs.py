@@ -6,7 +6,7 @@ with the shipped rules' fast variant, the reference trainer on 2 gloo ranks unde
 follows the hang through RankscopeRankHung (rank and phase named), Alertmanager's webhook to the
 trainer's `restart`, the stacks written beside the checkpoints, the group restarted by torchrun from the
 newest checkpoint, and the restart settled `applied` by the new incarnation, with the lost steps counted.
-It records hang -> alert and hang -> training again (goals: 30 s and 90 s at 1 s intervals).
+It records hang -> alert and hang -> training again (goals: 10 s and 90 s at 1 s intervals).
 A healthy run with checkpoints and validation raises no hang alert.
 """
 
@@ -25,8 +25,12 @@ pytestmark = pytest.mark.e2e
 CHECKPOINT_EVERY = 20
 HANG_AT = 31
 LOST = HANG_AT - 1 - CHECKPOINT_EVERY
-#: Goals at 1 s intervals (issue 26): the 20 s floor plus two intervals; the restart within 90 s.
-ALERT_GOAL_SECONDS = 30.0
+#: Goals at 1 s intervals (issue 31): the alert within 10 s of the hang with the shipped threshold (its 8 s
+#: floor, then the evaluation a second later at most; these runs' steps are far below a tenth of it); the
+#: restart within 90 s.
+ALERT_GOAL_SECONDS = 10.0
+#: The healthy run's slow save: longer than the floor, so the gap it leaves before the next step is tested too.
+SLOW_SAVE_SECONDS = 15.0
 TRAINING_GOAL_SECONDS = 90.0
 
 # kind -> (the phase the alert names for rank 1, the frame its stacks show)
@@ -79,13 +83,19 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_job_trains_again(stack,
     lost = f'rankscope_restart_lost_steps_total{{run_id="{st.run_id}"}}'
     st.wait(lambda: [s for s in st.query(lost) if float(s["value"][1]) == LOST], "the lost steps counted", 60)
     st.wait(lambda: not st.alerts("RankscopeRankHung"), "the hang alert to resolve", 60)
+    # The restart raised no hang of its own: the new incarnation's start-up and first step, and the steps after
+    # them, page nothing (a second page would carry another startsAt).
+    st.wait_for_step(st.status()["step"] + CHECKPOINT_EVERY, timeout=120)  # past the resumed group's next save
+    firing = {alert["startsAt"] for alert in st.pages("RankscopeRankHung") if alert.get("status") == "firing"}
+    assert len(firing) <= 1, firing
 
     LATENCIES.append(
         f"hang ({kind}): alert {alerted:.1f}s after the hang (goal {ALERT_GOAL_SECONDS:g}s), training again "
         f"{training_again:.1f}s after it (goal {TRAINING_GOAL_SECONDS:g}s); {LOST} steps lost"
     )
     print(LATENCIES[-1])
-    assert alerted <= ALERT_GOAL_SECONDS + 10, LATENCIES[-1]  # a loaded 2-core machine gets some slack
+    # The alert's activeAt is the evaluation that found the hang, its threshold the shipped one: no slack.
+    assert alerted <= ALERT_GOAL_SECONDS, LATENCIES[-1]
     assert training_again <= TRAINING_GOAL_SECONDS + 30, LATENCIES[-1]
     assert st.stop_trainer() == 0
 
@@ -93,8 +103,13 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_job_trains_again(stack,
 def test_a_healthy_run_with_checkpoints_and_validation_raises_no_hang_alert(stack) -> None:
     st: Stack = stack("hang-healthy")
     started = time.time()
-    st.start_trainer([f"checkpoint.every_steps={CHECKPOINT_EVERY // 2}"], max_steps=UNTIL_STOPPED)
-    # Long enough for the floor (20 s) to have passed several times over, checkpoints and validation included.
+    st.start_trainer(
+        [f"checkpoint.every_steps={CHECKPOINT_EVERY // 2}", "faults.slow_checkpoint.at_step=40",
+         f"faults.slow_checkpoint.seconds={SLOW_SAVE_SECONDS}"],
+        max_steps=UNTIL_STOPPED,
+    )  # fmt: skip
+    # Long enough for the floor (8 s) to have passed many times over: start-up, the first step, checkpoints (one
+    # of them longer than the floor, and the steps right after it), validation.
     st.wait_for_step(150, timeout=300)
     st.wait(lambda: time.time() - started > 60 or None, "a minute of training", 120)
     assert not [labels for labels in st.fired(started) if labels.get("alertname") == "RankscopeRankHung"]

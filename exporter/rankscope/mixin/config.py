@@ -265,9 +265,10 @@ class Tunables:
     the goodput ledger's too (rankscope.hang_threshold; metrics.hang_floor_seconds, metrics.hang_step_multiple)."""
     hang_step_multiple: float = hang_threshold.STEP_MULTIPLE
     hang_step_window: str = hang_threshold.duration(hang_threshold.WINDOW_SECONDS)
-    """The run's recent step time: its mean step time over this window (local rank 0 of each node)..."""
+    """The run's recent step time: its mean step time over this window (local rank 0 of each node), the latest
+    such mean..."""
     hang_step_lookback: str = hang_threshold.duration(hang_threshold.LOOKBACK_SECONDS)
-    """...the highest such mean within this range (so a hang does not shrink its own threshold)."""
+    """...within this range (no step completes in a hang: the mean from before it holds its threshold)."""
     hang_checkpoint_limit_seconds: float = 600.0
     """A rank checkpointing (rankscope_phase) for less than this excuses the run from the hang alert."""
     hang_validation_limit_seconds: float = 600.0

@@ -65,7 +65,9 @@ def records(t: Tunables) -> list[dict[str, str]]:
     in_collective = f"{phase} == {_COLLECTIVE}"
     return [
         {
-            # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value.
+            # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
+            # latest mean, not the highest in the lookback: a long first step (compilation) would otherwise hold
+            # the threshold up for the whole lookback, and the hang alert late by as much.
             "record": HANG_STEP_SECONDS,
             "expr": f"sum by ({RUN}) (rate({metric_name('step_duration_seconds', 'sum')}{ONE_PER_NODE}"
             f"[{t.hang_step_window}]))\n"
@@ -74,7 +76,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
         },
         {
             "record": HANG_THRESHOLD,
-            "expr": f"clamp_min(max_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
+            "expr": f"clamp_min(last_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
             f"{num(t.hang_step_multiple)}, {num(t.hang_floor_seconds)})\n"
             f"or on ({RUN})\n"
             f"(max by ({RUN}) ({last_step}) * 0 + {num(t.hang_floor_seconds)})",
