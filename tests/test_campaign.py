@@ -117,7 +117,7 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         _page(pager, "RankscopeRankHung", "firing", run_id="another-run")
         delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
         assert delivery.received_at - paged >= 1.0
-        assert delivery.body == {"action": "restart", "reason": "operator:RankscopeRankHung"}
+        assert delivery.body == {"action": "restart", "reason": "RankscopeRankHung"}
         assert delivery.authorization == "Bearer token"
         deadline = time.monotonic() + 20
         while len(operator.answered) < 2 and time.monotonic() < deadline:

@@ -100,7 +100,7 @@ class Operator:
         else:
             why = "answered"
             try:
-                self.control.act(action, f"operator:{name}")
+                self.control.act(action, name)  # the endpoint records it as operator:<reason>
             except OSError as exc:  # the job may be between incarnations: the page is answered all the same
                 why = f"the endpoint did not answer ({exc})"
         self.answered.append(OperatorAction(name, labels.get("rank", ""), paged_at, time.time(), action, why))
