@@ -306,3 +306,31 @@ def test_goodput_off_exports_nothing(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown phase 'lunch'"), monitor.phase("lunch"):
         pass
     monitor.close()
+
+
+def test_the_time_after_the_run_finished_is_not_training_and_a_later_incarnation_counts_it_as_its_start(
+    tmp_path,
+) -> None:
+    # Found by the fault campaign: the linger after Monitor.finish() (a clean end keeps the page up for the last
+    # scrapes) was counted as training, 3 s of every run; its ground truth (the run log) ends at `finished`.
+    clock = Clock()
+    ledger = GoodputLedger(tmp_path, process_start=clock.now, clock=clock)
+    ledger.first_step(clock.now, 0)
+    _train(ledger, clock, 1, 10)
+    finished = clock.now
+    ledger.finish()
+    clock.tick(3)  # the linger
+    ledger.on_step(11, clock.tick(1))  # a step after the end (a misused monitor) changes nothing either
+    assert ledger.totals() == {**dict.fromkeys(BUCKETS, 0.0), "training": 10.0}
+    ledger.flush()
+    record = json.loads((tmp_path / LEDGER_FILE).read_text())
+    assert record["updated_at"] == finished and _wall(record["totals"]) == finished - 1000.0
+    # Preempted (a stop, then the job launched again): the next incarnation counts the linger and the relaunch
+    # as its start-up, so the buckets still add up to the wall time.
+    clock.tick(10)
+    second = GoodputLedger(tmp_path, process_start=clock.now, clock=clock)
+    second.first_step(clock.tick(2), 10)
+    _train(second, clock, 11, 12)
+    totals = second.totals()
+    assert totals["startup"] == pytest.approx(3 + 1 + 10 + 2)
+    assert _wall(totals) == pytest.approx(clock.now - 1000.0)

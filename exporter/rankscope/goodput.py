@@ -103,6 +103,7 @@ class GoodputLedger:
         self._hang_open = 0.0  # hang seconds already cut out of the open training interval
         self._training = False  # a step has begun in this incarnation
         self._restored = False
+        self._finished_at: float | None = None  # the run finished: nothing accrues after it
 
     # --- recording (the loop's thread) -----------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class GoodputLedger:
         start-up ends. A run that starts below the step the job had reached (restarted without a resume)
         threw the steps above away."""
         with self._lock:
-            if self._training:
+            if self._training or self._finished_at is not None:
                 return
             if not self._restored and previous_step < self.step:
                 self._restore(previous_step, started)
@@ -124,6 +125,8 @@ class GoodputLedger:
         """Step `index`, of `seconds` (default: since the step before ended), ended at `ended`: a gap since the
         last activity longer than the hang threshold (as it stood before this step) was a hang, all of it."""
         with self._lock:
+            if self._finished_at is not None:
+                return
             if self._state == "training":
                 self._hang_open += self._hang(ended)
             if seconds is None:
@@ -140,11 +143,25 @@ class GoodputLedger:
             if step < self.step:
                 self._restore(step, self._clock())
 
+    def finish(self) -> None:
+        """The run finished (Monitor.finish): the accounting ends now. What follows (the linger for the last
+        scrapes, the teardown) is no bucket's; a later incarnation of the job (a preempted run launched again)
+        counts it as its start-up, from this moment."""
+        with self._lock:
+            if self._finished_at is None:
+                now = self._clock()
+                self._close(now)
+                self._stack.clear()
+                self._state = "finished"
+                self._finished_at = now
+
     def enter(self, bucket: str) -> None:
         """A phase begins (checkpoint, validation, paused); phases nest."""
         if bucket not in PHASE_BUCKETS:
             raise ValueError(f"unknown goodput phase {bucket!r}; known: {', '.join(PHASE_BUCKETS)}")
         with self._lock:
+            if self._finished_at is not None:
+                return
             self._close(self._clock())
             self._stack.append(self._state)
             self._state = bucket
@@ -153,6 +170,8 @@ class GoodputLedger:
         """The innermost phase ended. `saved_step`: a checkpoint of that step was written (a later resume
         or rollback to it loses only the training after it)."""
         with self._lock:
+            if self._finished_at is not None:
+                return
             now = self._clock()
             self._close(now)
             self._state = self._stack.pop() if self._stack else ("training" if self._training else "startup")
@@ -177,7 +196,7 @@ class GoodputLedger:
         if self.path is None:
             return
         with self._lock:
-            now = self._clock()
+            now = self._clock() if self._finished_at is None else self._finished_at
             record = {
                 "format": _FORMAT,
                 "job_start": self.job_start,
@@ -208,6 +227,8 @@ class GoodputLedger:
     def _open(self, now: float, settled: bool = True) -> dict[str, float]:
         """The open interval's seconds, by bucket. `settled`: the gap since the last activity, not (yet) a hang,
         counted as training (when the interval closes, in the record a next incarnation reads), else left out."""
+        if self._finished_at is not None:
+            return {}
         seconds = max(0.0, now - self._since)
         if self._state != "training":
             return {self._state: seconds}

@@ -184,6 +184,7 @@ class Monitor:
         self._metric["run_finished"].set(1)
         self.flush()
         if self.goodput is not None:
+            self.goodput.finish()  # the linger and teardown that follow are not training
             self.goodput.flush()
         state_changed()  # the next scrape shows the end, whatever the page cache holds
 

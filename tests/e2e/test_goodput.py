@@ -6,8 +6,10 @@ the step-20 checkpoint), is rolled back to its newest checkpoint (a control acti
 test for PAUSE_SECONDS, and is stopped. The ledger rank 0
 kept beside the checkpoints is compared, bucket by bucket, with what the test computes without it:
 
-- wall time: from the first rank 0 process's start (the OS's, read with psutil) to the last rank 0's exit (the
-  test's clock, a thread waiting for that process);
+- wall time: from the first rank 0 process's start (the OS's, read with psutil) to the run's end (the run log's
+  `finished` record); what follows, the linger for the last scrapes and the teardown, is no bucket's, and the
+  test checks it lasts the linger and seconds more up to the last rank 0's exit (the test's clock, a thread
+  waiting for that process);
 - paused: the test's clock, from seeing the pause applied to seeing the resume applied;
 - checkpoint: the durations the trainer printed for each save ("checkpoint step N -> ... (reason, 0.12s)");
 - lost: from the step-20 checkpoint (the run log's time) to the exit of the first rank 0 (the test's clock: a
@@ -35,7 +37,7 @@ from rankscope.goodput import BUCKETS, LEDGER_FILE
 from rankscope.mixin import promql
 
 from devstack.jobs import TrainerJob
-from tests.e2e.harness import UNTIL_STOPPED, Stack
+from tests.e2e.harness import LINGER_SECONDS, UNTIL_STOPPED, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -78,6 +80,11 @@ def _compare(found: dict[str, float], truth: dict[str, float], wall: float) -> N
         assert off <= TOLERANCE * wall, f"{bucket}: ledger vs truth {report} (wall {wall:.1f} s)"
 
 
+def _finished(job: TrainerJob) -> float:
+    """The run's end: the run log's last `finished` record."""
+    return job.records("finished")[-1]["time"]
+
+
 def _mean_step(train: list[dict]) -> float:
     gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:], strict=False) if b["step"] == a["step"] + 1]
     return statistics.median(gaps)
@@ -113,7 +120,8 @@ def test_goodput_buckets_match_a_ground_truth_through_a_crash_a_resume_and_a_pau
     totals = ledger["totals"]
     assert set(totals) == set(BUCKETS) and ledger["incarnation"] == 2
     assert ledger["job_start"] == pytest.approx(job_start, abs=0.05)  # the OS's start of the first rank 0
-    wall = exited - job_start
+    wall = _finished(job) - job_start
+    assert LINGER_SECONDS <= exited - _finished(job) < LINGER_SECONDS + 5.0  # the linger, then the teardown
     assert sum(v for k, v in totals.items() if k != "lost") == pytest.approx(ledger["updated_at"] - job_start)
     tolerance = TOLERANCE * wall
 
@@ -193,7 +201,7 @@ def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(
     ledger = json.loads((job.checkpoint_dir / LEDGER_FILE).read_text())
     totals = ledger["totals"]
     assert ledger["incarnation"] == 2
-    wall = exited - job_start
+    wall = _finished(job) - job_start
     records = job.records()
     starts = [i for i, r in enumerate(records) if r["type"] == "start"]
     assert len(starts) == 2, [r for r in records if r["type"] == "start"]
@@ -205,10 +213,11 @@ def test_goodput_counts_a_hang_until_the_restart_ended_it_and_a_slow_checkpoint(
     hang = hung_ended - first[-1]["time"]
     checkpoint = _checkpoint_seconds(job)
     assert checkpoint >= SLOW_SAVE_SECONDS
-    # The job's wall time is the crash test's to check; here the buckets are. What the ledger cannot count is
-    # the teardown after its last write at exit (interpreter finalisation: docs/goodput.md), seconds at most.
+    # The job's wall time is the crash test's to check; here the buckets are. The ledger ends when the run
+    # finished; the linger and the teardown after it are no bucket's (docs/goodput.md).
     assert sum(v for k, v in totals.items() if k != "lost") == pytest.approx(ledger["updated_at"] - job_start)
-    assert 0 <= exited - ledger["updated_at"] < 5.0
+    assert ledger["updated_at"] == pytest.approx(_finished(job), abs=0.5)
+    assert LINGER_SECONDS <= exited - ledger["updated_at"] < LINGER_SECONDS + 5.0
     truth = {
         "hang": hang,
         "lost": hung_ended - checkpoint_20["time"] - hang,
