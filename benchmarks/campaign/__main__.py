@@ -74,13 +74,14 @@ def table(summaries: list[ArmSummary], schedule: list[Fault], target: float | No
         f"target validation loss {target:.4f} (the fault-free run's at 90 % of its steps)" if target else "",
         f"operator delay (loop off) {operator_delay:.0f} s",
         "",
-        f"{'arm':<11} {'goodput':>8} {'(truth)':>8} {'to target':>10} {'final val':>10} {'vs free':>8} "
-        f"{'false alarms':>12}",
+        f"{'arm':<11} {'wall':>7} {'tail':>5} {'goodput':>8} {'(truth)':>8} {'to target':>10} {'final val':>10} "
+        f"{'vs free':>8} {'false alarms':>12}",
     ]
     for s in summaries:
         versus = (s.final_val_loss / ff.final_val_loss - 1) if ff and s.final_val_loss and ff.final_val_loss else None
         lines.append(
-            f"{s.name:<11} {_fmt(s.goodput_ledger, '.1%'):>8} {_fmt(s.goodput_truth, '.1%'):>8} "
+            f"{s.name:<11} {s.wall_seconds:>5.0f} s {s.tail_seconds:>3.0f} s "
+            f"{_fmt(s.goodput_ledger, '.1%'):>8} {_fmt(s.goodput_truth, '.1%'):>8} "
             f"{_fmt(s.seconds_to_target, '.0f', ' s'):>10} {_fmt(s.final_val_loss, '.4f'):>10} "
             f"{_fmt(versus, '+.1%'):>8} {len(s.false_alarms):>12}"
         )

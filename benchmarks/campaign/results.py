@@ -9,7 +9,8 @@ Ground truth, from outside the library (the run log's per-step records and the r
 - the steps that count are each step's last record (a restart, a resume or a rollback trains a step again,
   and only its last training is in the final model);
 - goodput is their time over the job's wall time: from the first rank 0 process's start (the OS's clock) to
-  the last one's exit (the runner's clock).
+  the run's end (the run log's last `finished` record). The linger and teardown after it, up to the last exit
+  the runner saw (its clock), are reported beside as the tail: no bucket of the ledger's counts them either.
 
 The ledger's goodput is (training - lost) / (every bucket but lost), as rankscope.goodput keeps it.
 """
@@ -55,6 +56,8 @@ class FaultOutcome:
 class ArmSummary:
     name: str
     wall_seconds: float
+    tail_seconds: float
+    """From the run's end (`finished`) to the last exit: the linger and the teardown."""
     goodput_truth: float
     goodput_ledger: float | None
     seconds_to_target: float | None
@@ -121,8 +124,9 @@ def _injected_at(fault: Fault, arm: ArmRecord) -> float | None:
         if event.get("id") == fault.id:
             return float(event["time"])
     kind = (fault.trainer_entry() or {}).get("kind")
+    # slow_checkpoint fires at the first save at or after its step; every other kind at its step.
     fired = [
-        r for r in arm.records if r.get("type") == "fault" and (r.get("kind"), r.get("step")) == (kind, fault.at_step)
+        r for r in arm.records if r.get("type") == "fault" and r.get("kind") == kind and r["step"] >= fault.at_step
     ]
     return min(float(r["time"]) for r in fired) if fired else None
 
@@ -131,7 +135,9 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
     faults = schedule if arm.name != "fault-free" else []
     times = step_times(arm.records)
     ff_times = step_times(fault_free.records) if fault_free is not None else {}
-    wall = arm.ended_at - arm.started_at
+    finished = [r["time"] for r in arm.records if r.get("type") == "finished"]
+    end = max(finished) if finished else arm.ended_at
+    wall = end - arm.started_at
     productive = sum(duration for _, duration in times.values())
     totals = arm.ledger.get("totals", {})
     ledger_wall = sum(v for k, v in totals.items() if k != "lost")
@@ -145,7 +151,9 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
         next_start = injected[faults[index + 1].id] if index + 1 < len(faults) else arm.ended_at
         windows.append((fault, start, next_start or arm.ended_at, end_step))
 
-    outcomes = [_outcome(arm, fault, start, end, end_step, times, ff_times) for fault, start, end, end_step in windows]
+    redone = _redone(arm, windows)
+    outcomes = [_outcome(arm, fault, start, end, end_step, times, ff_times, redone)
+                for fault, start, end, end_step in windows]  # fmt: skip
     false_alarms = _false_alarms(arm, windows)
     val_loss, val_step = _final_val(arm)
     to_target = None
@@ -154,15 +162,31 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
                           if r.get("type") == "val" and r.get("loss") is not None and r["loss"] <= target)  # fmt: skip
         to_target = reached[0] - arm.started_at if reached else None
     return ArmSummary(
-        name=arm.name, wall_seconds=wall, goodput_truth=productive / wall if wall > 0 else 0.0,
+        name=arm.name, wall_seconds=wall, tail_seconds=arm.ended_at - end,
+        goodput_truth=productive / wall if wall > 0 else 0.0,
         goodput_ledger=ledger, seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
         faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times),
     )  # fmt: skip
 
 
+def _redone(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]]) -> dict[str, int]:
+    """Steps trained again (a resume or rollback went back over them), by the fault in whose time window the
+    training happened again: a restart's resume trains steps from before its fault's own step."""
+    seen: set[int] = set()
+    counts: dict[str, int] = {}
+    for record in sorted((r for r in arm.records if r.get("type") == "train"), key=lambda r: r["time"]):
+        if record["step"] in seen:
+            owner = next((f.id for f, start, end, _ in windows if start is not None and start <= record["time"] < end),
+                         None)  # fmt: skip
+            if owner is not None:
+                counts[owner] = counts.get(owner, 0) + 1
+        seen.add(record["step"])
+    return counts
+
+
 def _outcome(
     arm: ArmRecord, fault: Fault, start: float | None, end: float, end_step: int,
-    times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]],
+    times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]], redone: dict[str, int],
 ) -> FaultOutcome:  # fmt: skip
     kind = fault.kind
     problems = []
@@ -183,10 +207,7 @@ def _outcome(
         if acted:
             first = min(acted, key=lambda r: r["time"])
             action, outcome, action_at = first.get("action") or "", first.get("result") or "", first["time"]
-    retrained = sum(1 for r in arm.records if r.get("type") == "train" and fault.at_step <= r["step"] < end_step)
-    retrained -= len(
-        {r["step"] for r in arm.records if r.get("type") == "train" and fault.at_step <= r["step"] < end_step}
-    )
+    retrained = redone.get(fault.id, 0)
     cost = None
     a, b = fault.at_step - 1, end_step - 1
     if a in times and b in times and a in ff_times and b in ff_times:
