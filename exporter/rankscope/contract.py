@@ -324,7 +324,8 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m(
         "control_actions_total",
         _C,
-        "Control actions by outcome.",
+        "Control actions by outcome, counted once per job on rank 0 (the rank that receives them); every rank "
+        "applies an applied action at the same step.",
         labels=("action", "source", "result"),
         source="control",
     ),
