@@ -110,6 +110,8 @@ EFFECTS = {
 IMBALANCE_ALERT = "RankscopeRankImbalance"
 #: The non-finite alert, by name for the run report, which times its fault from the first non-finite step.
 NONFINITE_ALERT = "RankscopeNonFiniteSteps"
+#: The hang alert, by name for the run report, which times its fault from the last step before the hang.
+HANG_ALERT = "RankscopeRankHung"
 #: Alertmanager inhibitions: (source alert, target alerts). A dead rank stalls the whole run (its peers block
 #: in the next collective) and makes the compute-time comparison meaningless: page once, for the cause.
 INHIBITIONS = (

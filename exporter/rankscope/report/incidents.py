@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankscope.mixin.config import NONFINITE_ALERT
+from rankscope.mixin.config import HANG_ALERT, NONFINITE_ALERT
 from rankscope.report.runlog import RunLog
 from rankscope.report.series import Series
 
@@ -112,7 +112,8 @@ class ActionEvent:
     detail: str = ""
     """What the control channel said of its outcome (why it was refused, when it took effect)."""
     first_sign: float | None = None
-    """Time of the fault's first sign before its alert (the first non-finite step), when known."""
+    """Time of the fault's first sign before its alert (the first non-finite step; the last step completed
+    before a hang), when known."""
     first_sign_step: int | None = None
     exact: bool = False
     """`at` is the settle time the run log recorded (not a scrape's)."""
@@ -123,6 +124,12 @@ class ActionEvent:
         if self.first_sign is not None:
             return self.first_sign
         return None if self.cause is None else self.cause.onset
+
+    @property
+    def first_sign_what(self) -> str:
+        """What the first sign is, in words."""
+        hang = self.cause is not None and self.cause.alertname == HANG_ALERT
+        return "the last step before the hang" if hang else "the first non-finite step"
 
     @property
     def fault_to_action(self) -> float | None:
@@ -349,17 +356,37 @@ def nonfinite_steps(log: RunLog | None, loss: Series | None) -> list[tuple[float
     return [(float(t), None) for t in loss.t[~np.isfinite(loss.v)]]
 
 
-def _first_signs(actions: list[ActionEvent], nonfinite: list[tuple[float, int | None]]) -> None:
-    """For an action the non-finite alert caused: the first non-finite step since the previous such action."""
-    previous = -math.inf
+def completed_steps(log: RunLog | None, global_step: Series | None) -> list[tuple[float, int | None]]:
+    """(time, step) of the training steps completed: the run log's, else each scrape where the step moved on."""
+    if log is not None:
+        train = log.train()
+        if len(train["step"]):
+            known = np.isfinite(train["time"]) & np.isfinite(train["step"])
+            return [(float(t), int(s)) for t, s in zip(train["time"][known], train["step"][known], strict=True)]
+    if global_step is None or len(global_step) < 2:
+        return []
+    moved = np.flatnonzero(np.diff(global_step.v) > 0) + 1
+    return [(float(global_step.t[i]), int(global_step.v[i])) for i in moved]
+
+
+def _first_signs(
+    actions: list[ActionEvent], nonfinite: list[tuple[float, int | None]], steps: list[tuple[float, int | None]]
+) -> None:
+    """For an action the non-finite alert caused: the first non-finite step since the previous such action; for
+    one the hang alert caused: the last step completed before the alert (the hang began when it ended)."""
+    previous = {NONFINITE_ALERT: -math.inf, HANG_ALERT: -math.inf}
     for event in sorted(actions, key=lambda e: e.at):
         cause = event.cause
-        if cause is None or cause.alertname != NONFINITE_ALERT or event.result != "applied":
+        if cause is None or cause.alertname not in previous or event.result != "applied":
             continue
-        signs = [(t, s) for t, s in nonfinite if previous < t <= cause.onset]
+        since = previous[cause.alertname]
+        if cause.alertname == NONFINITE_ALERT:
+            signs = [(t, s) for t, s in nonfinite if since < t <= cause.onset][:1]
+        else:
+            signs = [(t, s) for t, s in steps if since < t <= cause.onset][-1:]
         if signs:
             event.first_sign, event.first_sign_step = signs[0]
-        previous = event.at
+        previous[cause.alertname] = event.at
 
 
 def _paused(paused: Series | None) -> list[tuple[float, float]]:
@@ -391,7 +418,7 @@ def find_incidents(
             event.step = _step_at(global_step, event.at)
     _attribute(actions, episodes, slack)
     nonfinite = nonfinite_steps(log, loss)
-    _first_signs(actions, nonfinite)
+    _first_signs(actions, nonfinite, completed_steps(log, global_step))
     checkpoints = [
         (float(r["time"]), str(r.get("reason", "")))
         for r in (log.of("checkpoint") if log else [])

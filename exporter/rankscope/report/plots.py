@@ -1162,7 +1162,7 @@ def _action_labels(incidents: Incidents, timing: bool = True) -> list[tuple[Any,
     for event in sorted(incidents.actions, key=lambda e: e.at):
         label = event.action if event.result == "applied" else f"{event.action} ({event.result})"
         if timing and event.cause is not None and event.fault_to_action is not None:
-            since = "the first non-finite step" if event.first_sign is not None else event.cause.alertname
+            since = event.first_sign_what if event.first_sign is not None else event.cause.alertname
             label += f": {_fmt_seconds(event.fault_to_action)} after {since}"
         out.append((event, label))
     return out

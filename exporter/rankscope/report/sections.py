@@ -352,7 +352,7 @@ def _latency(event: ActionEvent) -> str:
     parts = []
     if event.first_sign is not None:
         step = f" (step {event.first_sign_step})" if event.first_sign_step is not None else ""
-        parts.append(f"from the first non-finite step{step}; to the alert {cause.onset - event.first_sign:.1f} s")
+        parts.append(f"from {event.first_sign_what}{step}; to the alert {cause.onset - event.first_sign:.1f} s")
     else:
         parts.append("from the alert's onset")
     if cause.pending_at is not None and cause.firing_at is not None:
