@@ -48,11 +48,11 @@ def main():
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step, to watch it go")
     parser.add_argument("--linger", type=float, default=5.0, help="serve this long after the end: one last scrape")
     args = parser.parse_args()
-    dist.init_process_group("gloo")  # "nccl" on GPUs
     os.makedirs(args.checkpoint_dir, exist_ok=True)
 
     monitor = Monitor(MonitorConfig(host="127.0.0.1", base_port=args.metrics_port))  # identity from torchrun
     monitor.start()  # serves /metrics
+    dist.init_process_group("gloo")  # "nccl" on GPUs; after the Monitor, whose collective view sees it from the start
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     model = DistributedDataParallel(layers)
