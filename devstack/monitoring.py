@@ -23,6 +23,9 @@ from __future__ import annotations
 import copy
 import re
 import signal
+import subprocess
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -43,6 +46,7 @@ __all__ = [
     "alertmanager_config",
     "derive_alertmanager_config",
     "derive_prometheus_config",
+    "generate_rules",
     "prometheus_config",
     "seconds",
     "shipped_interval",
@@ -155,6 +159,18 @@ def derive_alertmanager_config(config: dict, *, ports: Ports, token_file: Path) 
 
     use_token(derived)
     return derived
+
+
+def generate_rules(out: Path, settings: Sequence[str] = ()) -> Path:
+    """Run the rule pack's command (`rankscope-mixin`) with `settings` (NAME=VALUE) into `out`; returns the
+    directory its prometheus.yml's `rule_files` patterns resolve from (`out`/prometheus, holding rules/*.yml)."""
+    argv = [sys.executable, "-m", "rankscope.mixin.cli", "--out", str(out)]
+    for setting in settings:
+        argv += ["--set", setting]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise StackError(f"rankscope-mixin {' '.join(settings)} failed: {result.stderr.strip()}")
+    return out / "prometheus"
 
 
 def seconds(duration: str) -> float:

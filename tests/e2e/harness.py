@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -39,7 +37,7 @@ import requests
 import yaml
 
 from devstack.jobs import TrainerJob
-from devstack.monitoring import MonitoringStack, unix_time
+from devstack.monitoring import MonitoringStack, generate_rules, unix_time
 from devstack.ports import Ports
 from devstack.vmstack import VictoriaPorts
 from tests.support import WebhookSink, fetch, sample_value, samples, tail
@@ -78,18 +76,6 @@ LINGER_SECONDS = 3 * INTERVAL_SECONDS
 #: Runs that wait on events go on until the test stops them (`Stack.stop_trainer`): on a loaded machine a
 #: fixed number of steps can end before the alert fires (or the loss recovers).
 UNTIL_STOPPED = 100_000
-
-
-def generate_rules(out: Path, settings: Sequence[str]) -> Path:
-    """Run the rule pack's command (`rankscope-mixin`) with `settings` into `out`; returns the directory
-    its prometheus.yml's `rule_files` patterns resolve from (`out`/prometheus, holding rules/*.yml)."""
-    argv = [sys.executable, "-m", "rankscope.mixin.cli", "--out", str(out)]
-    for setting in settings:
-        argv += ["--set", setting]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        raise AssertionError(f"rankscope-mixin failed: {result.stderr.strip()}")
-    return out / "prometheus"
 
 
 def host_memory_now() -> float:
