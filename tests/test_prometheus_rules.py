@@ -569,9 +569,15 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("comm_severity=urgent", "comm_severity must be one of page, ticket, info"),
         ("loss_plateau_improvement=1", "loss_plateau_improvement must be between 0 and 1"),
         ("loss_change_window=30 minutes", "loss_change_window must be a Prometheus duration"),
-        ("divergence_action=checkpoint", "divergence_action must be one of reduce_lr, rollback (the actions"),
-        ("nonfinite_action=stop", "nonfinite_action must be one of reduce_lr, rollback (the actions"),
-        ("memory_action=reduce_lr", "memory_action must be one of checkpoint, reduce_micro_batch (the actions"),
+        (
+            "divergence_action=checkpoint",
+            'divergence_action must be one of reduce_lr, rollback, "" (no action) (the actions',
+        ),
+        ("nonfinite_action=stop", 'nonfinite_action must be one of reduce_lr, rollback, "" (no action) (the actions'),
+        (
+            "memory_action=reduce_lr",
+            'memory_action must be one of checkpoint, reduce_micro_batch, "" (no action) (the actions',
+        ),
         ("slow_step_action=rollback", 'slow_step_action must be one of "" (no action), reduce_micro_batch'),
         ("slow_step_seconds=0", "slow_step_seconds must be > 0"),
     ],
@@ -598,9 +604,10 @@ RECOVERY_UNIT_TESTS = PROM / "tests" / "variants" / "recovery_actions_test.yml"
 
 def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_only_their_label():
     assert {name: config.action_choices(name) for name in config.ACTION_TUNABLES} == {
-        "memory_action": ["checkpoint", "reduce_micro_batch"],
-        "divergence_action": ["reduce_lr", "rollback"],
-        "nonfinite_action": ["reduce_lr", "rollback"],
+        # "" on every one: any alert may be left to the on-call person (the campaign's loop-off arm).
+        "memory_action": ["checkpoint", "reduce_micro_batch", ""],
+        "divergence_action": ["reduce_lr", "rollback", ""],
+        "nonfinite_action": ["reduce_lr", "rollback", ""],
         "slow_step_action": ["", "reduce_micro_batch"],
         "hang_action": ["restart", ""],
     }
@@ -625,8 +632,10 @@ def test_the_choices_follow_the_catalog(monkeypatch):
     # No second list: an action the catalog stops offering an alert is refused for it.
     offered = tuple(spec for spec in catalog.CATALOG if spec.name != "rollback")
     monkeypatch.setattr(catalog, "CATALOG", offered)
-    assert config.action_choices("divergence_action") == ["reduce_lr"]
-    with pytest.raises(ValueError, match=r"^divergence_action must be one of reduce_lr \(the actions"):
+    assert config.action_choices("divergence_action") == ["reduce_lr", ""]
+    with pytest.raises(
+        ValueError, match=r'^divergence_action must be one of reduce_lr, "" \(no action\) \(the actions'
+    ):
         config.apply_overrides(Tunables(), ["divergence_action=rollback"])
 
 
