@@ -132,3 +132,13 @@ def test_a_cpu_run_counts_rank_hours_not_gpu_hours() -> None:
     assert "GPU" not in said and "rank-hours" in said
     gpu = render_section(_job(), world_size=8, price=2.5)
     assert "GPU-hours" in [b for b in gpu.blocks if isinstance(b, Table)][0].headers
+
+
+def test_a_hang_stretch_starts_at_its_last_activity_not_when_it_passed_the_threshold() -> None:
+    # The ledger counts a hang whole once past its threshold: the bucket jumps by the gap so far (12 s at once
+    # here), so the stretch began 12 s before that sample, as the alert and the ledger say (issue 34).
+    found = [
+        (i.bucket, i.start - T0, i.end - T0, i.seconds)
+        for i in incidents([_series("hang", [0, 0, 0, 0, 12, 22, 32, 32])])
+    ]
+    assert found == [("hang", 28.0, 60.0, 32.0)]

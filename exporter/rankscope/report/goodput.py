@@ -83,7 +83,10 @@ def incidents(series: list[Series]) -> list[GoodputIncident]:
         for i in range(1, len(s)):
             growth = float(s.v[i] - s.v[i - 1])
             if growth >= MIN_GROWTH_SECONDS:
-                open_at = float(s.t[i - 1]) if open_at is None else open_at
+                if open_at is None:
+                    open_at = float(s.t[i - 1])
+                    if bucket == "hang":  # counted whole once past its threshold: it began at its last activity
+                        open_at = min(open_at, float(s.t[i]) - growth)
                 grown += growth
             elif open_at is not None:
                 found.append(GoodputIncident(bucket, open_at, float(s.t[i - 1]), grown))
