@@ -159,7 +159,7 @@ SCENARIOS: dict[str, Scenario] = {
     "hang": Scenario(
         ("faults.hang.at_step=300", "faults.hang.rank=1", "faults.hang.kind=data"),
         "at step 300 rank 1 blocks in its data loader for ever: RankscopeRankHung names rank 1 and its phase "
-        "within about 30 s, the restart writes every rank's stacks beside the checkpoints, torchrun starts the "
+        "within about 10 s, the restart writes every rank's stacks beside the checkpoints, torchrun starts the "
         "group again and it trains on from the newest checkpoint",
         restarts=1,
     ),

@@ -494,8 +494,9 @@ def phase_row() -> tuple[str, list]:
                 "s",
                 Target(f"time() - {m('phase_started_timestamp_seconds')}{{{RANK_SEL}}}", "rank {{rank}}"),
                 description=f"Seconds since each rank entered its current phase. RankscopeRankHung "
-                f"({T.hang_severity}) fires when the run completes no step for longer than "
-                f"{promql.num(T.hang_step_multiple)} times its recent step time, and never sooner than "
+                f"({T.hang_severity}) fires when the run completes no step, nor ends a checkpoint, validation or "
+                f"pause, for longer than {promql.num(T.hang_step_multiple)} times its recent step time, and never "
+                f"sooner than "
                 f"{promql.num(T.hang_floor_seconds)} s (the line).",
                 min_val=0,
                 threshold=T.hang_floor_seconds,
