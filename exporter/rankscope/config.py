@@ -61,7 +61,7 @@ class MonitorConfig:
     """How often rank 0 writes the ledger (a background thread): a crash loses at most this much accounting."""
     hang_floor_seconds: float = hang_threshold.FLOOR_SECONDS
     """The goodput's `hang`: no step or phase ended for longer than max(this, hang_step_multiple x the recent step
-    time), counted whole from that last end. The rule pack's RankscopeRankHung has the same two settings with
+    time), counted whole from that last end. The rule pack's hang alert has the same two settings with
     the same defaults (rankscope.hang_threshold): set both alike."""
     hang_step_multiple: float = hang_threshold.STEP_MULTIPLE
     count_flops: bool = False

@@ -5,7 +5,7 @@ to it: `startup` (process start to the first step, checkpoint load included, and
 incarnation's last record and the next one's process start: the restart), `training` (steps and the loop
 between them), `checkpoint`, `validation`, `paused` (phases the loop or the control channel marks) and
 `hang`: a gap without activity (no step ended, no phase ended) longer than the hang threshold, counted whole
-from that last activity, as `RankscopeRankHung` reads it (:mod:`rankscope.hang_threshold`). `lost` is the part of
+from that last activity, as the rule pack's hang alert reads it (:mod:`rankscope.hang_threshold`). `lost` is the part of
 `training` whose steps were thrown away: trained after the checkpoint a resume or a rollback went back to.
 Productive time, the goodput's numerator, is `training - lost`.
 

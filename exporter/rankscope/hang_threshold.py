@@ -1,4 +1,4 @@
-"""When a run is hung: one definition for the rule pack's `RankscopeRankHung` and the goodput ledger's `hang`.
+"""When a run is hung: one definition for the rule pack's hang alert and the goodput ledger's `hang`.
 
 A run is hung once no step has ended, and no checkpoint, validation or pause has ended, for longer than
 max(`floor_seconds`, `step_multiple` x its recent step time). The hang began at that last activity: the

@@ -278,7 +278,7 @@ class ControlChannel:
         `linger_seconds` before its endpoints close and the call returns, so that each rank's metrics page
         (closed by `monitor.close()` after this) is scraped showing rankscope_run_finished 1, and a waiting
         `rankscope-ctl` sees the outcome: more than one scrape interval. A rank that left at once would be
-        down, not finished, to Prometheus, and page as RankscopeRankDown. Local: issues no collective. Call
+        down, not finished, to Prometheus, and page as a rank that went down. Local: issues no collective. Call
         it from the thread that created the channel, as close(): the signal handlers are put back there."""
         self._settle_stop()
         if self._deadline is not None:
