@@ -49,8 +49,13 @@ def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_fal
                               warmup_steps=5)  # fmt: skip
     nonfinite, hang = schedule
     records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, hang.at_step + 40)]]
-    records += [{"type": "fault", "kind": "nonfinite", "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
-                {"type": "fault", "kind": "hang", "step": hang.at_step, "time": hang.at_step - 0.5},
+    # As the trainer names them (kind and step); a fault of the same kind at another step is not this one.
+    records += [{"type": "fault", "kind": "nonfinite", "name": f"nonfinite-step{nonfinite.at_step}",
+                 "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
+                {"type": "fault", "kind": "hang", "name": f"hang-step{hang.at_step + 1}", "step": hang.at_step + 1,
+                 "time": 1.0},
+                {"type": "fault", "kind": "hang", "name": f"hang-step{hang.at_step}", "step": hang.at_step,
+                 "time": hang.at_step - 0.5},
                 {"type": "action", "action": "reduce_lr", "result": "applied", "step": nonfinite.at_step + 4,
                  "reason": "alert:RankscopeNonFiniteSteps", "time": nonfinite.at_step + 4.0}]  # fmt: skip
     alerts = [
@@ -119,10 +124,7 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         assert delivery.received_at - paged >= 1.0
         assert delivery.body == {"action": "restart", "reason": "RankscopeRankHung"}
         assert delivery.authorization == "Bearer token"
-        deadline = time.monotonic() + 20
-        while len(operator.answered) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        answered = {a.alertname: (a.action, a.why) for a in operator.answered}
+        answered = {a.alertname: (a.action, a.why) for a in operator.wait_answered(2, timeout=20)}
         assert answered == {"RankscopeRankHung": ("restart", "answered"),
                             "RankscopeNonFiniteSteps": ("", "resolved before the operator got to it")}  # fmt: skip
         assert len([d for d in endpoint.received() if d.path == "/v1/actions"]) == 1

@@ -147,9 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         parser.error(f"--arms: unknown arm(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(ARMS)}")
-    kinds = tuple(k for k in args.faults.split(",") if k) or (
-        QUICK_KINDS if args.quick else tuple(k.name for k in KINDS)
-    )
+    known = tuple(k.name for k in KINDS)
+    chosen = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    unknown = [k for k in chosen if k not in known]
+    if unknown:  # before the calibration run: a typo fails in a second, not minutes in
+        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        parser.error(f"--workdir {args.workdir} is not empty: give a new folder (each run's files are kept there)")
+    kinds = chosen or (QUICK_KINDS if args.quick else known)
 
     with tempfile.TemporaryDirectory(prefix="rankscope-campaign-") as scratch:
         workdir = args.workdir or Path(scratch)

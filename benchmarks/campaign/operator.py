@@ -53,6 +53,7 @@ class Operator:
         self.pager, self.control, self.delay, self.run_id = pager, control, delay, run_id
         self.runbook = runbook_actions()
         self.answered: list[OperatorAction] = []
+        self._answered_changed = threading.Condition()
         self._seen = 0
         self._due: dict[str, tuple[float, dict]] = {}  # fingerprint@startsAt -> (paged at, alert)
         self._resolved: set[str] = set()
@@ -101,6 +102,14 @@ class Operator:
             why = "answered"
             try:
                 self.control.act(action, name)  # the endpoint records it as operator:<reason>
-            except OSError as exc:  # the job may be between incarnations: the page is answered all the same
-                why = f"the endpoint did not answer ({exc})"
-        self.answered.append(OperatorAction(name, labels.get("rank", ""), paged_at, time.time(), action, why))
+            except OSError as exc:  # the job may be between incarnations: nothing was posted
+                action, why = "", f"{action} not posted: the endpoint did not answer ({exc})"
+        with self._answered_changed:
+            self.answered.append(OperatorAction(name, labels.get("rank", ""), paged_at, time.time(), action, why))
+            self._answered_changed.notify_all()
+
+    def wait_answered(self, count: int, timeout: float) -> list[OperatorAction]:
+        """The pages answered so far, once there are `count` of them or `timeout` seconds have passed."""
+        with self._answered_changed:
+            self._answered_changed.wait_for(lambda: len(self.answered) >= count, timeout)
+            return list(self.answered)

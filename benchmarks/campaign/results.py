@@ -123,11 +123,10 @@ def _injected_at(fault: Fault, arm: ArmRecord) -> float | None:
     for event in arm.runner_events:
         if event.get("id") == fault.id:
             return float(event["time"])
-    kind = (fault.trainer_entry() or {}).get("kind")
-    # slow_checkpoint fires at the first save at or after its step; every other kind at its step.
-    fired = [
-        r for r in arm.records if r.get("type") == "fault" and r.get("kind") == kind and r["step"] >= fault.at_step
-    ]
+    entry = fault.trainer_entry() or {}
+    # The trainer names a fault by kind and step (poison: data batch): faults.FaultEvent.name.
+    name = f"{entry.get('kind')}-{'batch' if entry.get('kind') == 'poison' else 'step'}{fault.at_step}"
+    fired = [r for r in arm.records if r.get("type") == "fault" and r.get("name") == name]
     return min(float(r["time"]) for r in fired) if fired else None
 
 
