@@ -92,3 +92,22 @@ def test_a_rank_working_its_way_to_the_boundary_or_out_of_its_loop_is_left_alone
     assert result.returncode == 0 and "left cleanly" in result.stdout, result.stderr[-3000:]
     assert "SIGTERM: no checkpoint" not in result.stderr, result.stderr[-3000:]
     assert not list(tmp_path.glob("rankscope-stacks-*"))
+
+
+def test_a_rank_still_moving_through_its_phases_is_not_ended_when_the_grace_runs_out() -> None:
+    # A long step is not a hang: a rank whose current phase began less than the grace ago may still reach the
+    # boundary (review: it used to be ended, with no checkpoint, whatever phase it was working through).
+    import threading
+    import time
+
+    from rankscope.control.stop_deadline import StopDeadline
+
+    left: list[int] = []
+    deadline = StopDeadline(0, 0.2, "", phase=lambda: ("compute", time.time() - 0.01), leave=left.append)
+    watcher = threading.Thread(target=deadline.on_sigterm)
+    watcher.start()
+    watcher.join(1.0)  # five graces: long past the deadline
+    assert watcher.is_alive() and not left
+    deadline.reached.set()  # the stop is agreed at the boundary
+    watcher.join(5.0)
+    assert not watcher.is_alive() and not left

@@ -484,12 +484,15 @@ def _watch_wait() -> bool:
         @functools.wraps(torch_wait)
         def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                return torch_wait(self, *args, **kwargs)
-            finally:
-                ended = _WAITED.pop(id(self), None)
-                if ended is not None:
-                    with contextlib.suppress(Exception):  # never into the caller's wait: that one is untimed
-                        ended()
+                done = torch_wait(self, *args, **kwargs)
+            except BaseException:
+                _WAITED.pop(id(self), None)  # it failed (a timeout, an abort): not a collective that completed
+                raise
+            ended = _WAITED.pop(id(self), None)
+            if ended is not None:
+                with contextlib.suppress(Exception):  # never into the caller's wait: that one is untimed
+                    ended()
+            return done
 
         setattr(Work, "wait", wait)  # noqa: B010  (a method of torch's pybind type)
         _wait_watched = True

@@ -76,7 +76,10 @@ class StopDeadline:
         while not self.reached.is_set():
             if self._loop_left():
                 return  # what remains is the loop's ending (its last checkpoint, a linger), not a hang
-            if self._phase()[0] not in _WORKING_PHASES:
+            phase, since = self._phase()
+            # A rank still moving through its step (a phase younger than the grace: a long step, not a hang)
+            # may yet reach the boundary; one held in a phase for the whole grace does not.
+            if phase not in _WORKING_PHASES and self._clock() - since >= self._grace:
                 self.give_up()
                 return
             self.reached.wait(_POLL_SECONDS)
@@ -98,6 +101,9 @@ class StopDeadline:
         )  # fmt: skip
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
+        if self.reached.is_set():  # the stop was agreed meanwhile: the loop checkpoints and exits 0 itself
+            logger.error("rankscope: rank %d: the stop was agreed after all; not exiting here", self._rank)
+            return
         try:  # the exit runs no atexit hook: DataLoader workers, which ignore SIGTERM, are ended here
             end_daemon_children()
         except Exception:
