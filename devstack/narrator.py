@@ -27,6 +27,7 @@ from pathlib import Path
 from rankscope.control.stacks import fold, render
 from rankscope.report.errors import ReportError
 from rankscope.report.prom import Prometheus
+from rankscope.report.run import label_matcher
 
 #: The alert that names a hung rank (its `rank` label): the stack shown after a restart is that rank's.
 HANG_ALERT = "RankscopeRankHung"
@@ -223,7 +224,7 @@ class Narrator:
         self.on_alerts(self._prometheus.api("/api/v1/alerts")["alerts"])
         self.on_status(status or self._status())
         if self._hang_seen is not None:
-            query = f'{{__name__=~"{LAST_STEP_TIME}|{GLOBAL_STEP}", run_id="{self.run_id}"}}'
+            query = f'{{__name__=~"{LAST_STEP_TIME}|{GLOBAL_STEP}", {label_matcher("run_id", self.run_id)}}}'
             self.on_progress(
                 self._prometheus.api("/api/v1/query", {"query": query, "time": f"{self._hang_seen:.3f}"})["result"]
             )

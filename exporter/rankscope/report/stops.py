@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankscope.contract import PHASES
+from rankscope.hang_threshold import FLOOR_SECONDS, STEP_MULTIPLE
 from rankscope.report.series import Series
 
 __all__ = ["STOP_FLOOR_SECONDS", "STOP_STEP_MULTIPLE", "Stop", "find_stops", "mask_stops", "phase_words"]
 
-#: A stretch this long without a step is a stop (below it: the scrape's and the page cache's lag) ...
-STOP_FLOOR_SECONDS = 10.0
-#: ... and this many of the rank's median step times (the hang rule's multiple).
-STOP_STEP_MULTIPLE = 10.0
+#: A stretch this long without a step is a stop: the hang's floor and multiple (one definition, with the alert and
+#: the ledger), read here against the rank's median step time and never below 3 scrape intervals (the samples' lag).
+STOP_FLOOR_SECONDS = FLOOR_SECONDS
+STOP_STEP_MULTIPLE = STEP_MULTIPLE
 
 
 @dataclass(frozen=True)
