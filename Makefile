@@ -47,6 +47,7 @@ lint: bootstrap
 # The rule pack (rules, dashboards, Alertmanager routes, Kubernetes resources) from rankscope/mixin/config.py.
 dashboards rules: bootstrap
 	.venv/bin/rankscope-mixin --kubernetes
+	.venv/bin/rankscope-mixin --layout sharded
 
 # The compose files need Docker Compose v2; one line says whether this machine's Compose is one (COMPOSE=...).
 compose-check:

@@ -1,0 +1,161 @@
+"""The sharded layout (rankscope.mixin.layout): the same rules as one server, split by what each rule reads.
+
+Every alert lands on the global server with the meaning, labels and texts it has on one server; every
+recording rule lands on exactly one server; whatever a global rule reads is recorded there or federated
+from the shards; a shard's rules read only what a shard holds. The committed prometheus/sharded/ is the
+command's output byte for byte.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+from rankscope.mixin import cli, rules
+from rankscope.mixin.config import Tunables
+from rankscope.mixin.layout import Selector, condition_name, is_shard_local, selectors, split
+
+from tests.support import REPO, binary
+
+TUNINGS = [Tunables(), Tunables(rate_window="5s", imbalance_for="5s", nonfinite_for="0s", hang_action="")]
+
+
+def _rules(groups: dict) -> list[dict]:
+    return [rule for group in groups.values() for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("t", TUNINGS)
+def test_every_alert_lands_on_the_global_server_as_on_one_server(t: Tunables) -> None:
+    layout = split(t)
+    on_global = {rule["alert"]: rule for rule in _rules(layout.global_groups) if "alert" in rule}
+    shard_records = {rule["record"]: rule["expr"] for rule in _rules(layout.shard_groups)}
+    assert not [rule for rule in _rules(layout.shard_groups) if "alert" in rule]
+    for alert in rules.alerts(t):
+        single = alert.to_rule(t)
+        sharded = on_global[alert.name]
+        assert {k: v for k, v in sharded.items() if k != "expr"} == {k: v for k, v in single.items() if k != "expr"}
+        if sharded["expr"] != single["expr"]:
+            # The condition is a shard's: it records exactly the alert's condition, the alert reads it.
+            assert shard_records[condition_name(alert)] == alert.expr
+            assert sharded["expr"] == replace(alert, expr=condition_name(alert)).to_rule(t)["expr"]
+    assert sorted(on_global) == sorted(alert.name for alert in rules.alerts(t))
+
+
+@pytest.mark.parametrize("t", TUNINGS)
+def test_every_recording_rule_lands_on_exactly_one_server_unchanged_in_the_same_group(t: Tunables) -> None:
+    layout = split(t)
+    placed = [
+        (group["name"], rule["record"], rule["expr"])
+        for groups in (layout.shard_groups, layout.global_groups)
+        for group in groups.values()
+        for rule in group["rules"]
+        if "record" in rule and not rule["record"].startswith("shard:")
+    ]
+    single = [(area.group, rule["record"], rule["expr"]) for area in rules.areas(t) for rule in area.records(t)]
+    assert sorted(placed) == sorted(single)
+
+
+@pytest.mark.parametrize("t", TUNINGS)
+def test_whatever_a_global_rule_reads_is_recorded_there_or_federated(t: Tunables) -> None:
+    layout = split(t)
+    recorded = {rule["record"] for rule in _rules(layout.global_groups) if "record" in rule}
+    for rule in _rules(layout.global_groups):
+        for read in selectors(rule["expr"]):
+            if read.recorded and read.name in recorded:
+                continue
+            assert any(f.covers(read) for f in layout.federated), f"{rule} reads {read}, not federated"
+    # Nothing the global server records is federated (it would collide with the shards' copies).
+    assert not [f for f in layout.federated if f.name in recorded]
+
+
+@pytest.mark.parametrize("t", TUNINGS)
+def test_a_shard_evaluates_only_what_its_own_ranks_decide(t: Tunables) -> None:
+    layout = split(t)
+    assert layout.shard_records, "the per-rank reductions are the shards' work"
+    for rule in _rules(layout.shard_groups):
+        assert is_shard_local(rule["expr"]), rule
+        assert all(not s.recorded or s.name in layout.shard_records for s in selectors(rule["expr"])), rule
+    # The run's median compute time and the hang suspects compare ranks of every shard: global.
+    on_global = {rule.get("record") for rule in _rules(layout.global_groups)}
+    assert {"run:rankscope_compute_duration_seconds:median", "run_rank:rankscope_phase:hang_suspect"} <= on_global
+
+
+def test_federated_selectors_keep_the_rules_matchers_so_few_series_per_rank_cross() -> None:
+    federated = {str(s) for s in split(Tunables()).federated}
+    # Histograms cross as the one bucket (or one rank per node) the rules read, never whole.
+    assert 'rankscope_step_duration_seconds_bucket{local_rank="0"}' in federated
+    assert "rankscope_step_duration_seconds_bucket" not in federated
+    assert not [s for s in federated if s.startswith("rankscope_data_wait_seconds")]  # the shard's condition
+    assert "run_rank:rankscope_compute_duration_seconds_sum:rate" in federated
+    assert len(federated) <= 35
+
+
+@pytest.mark.parametrize(
+    ("expr", "local"),
+    [
+        ("sum by (run_id, node, rank) (rate(x[2m]))", True),
+        ("max by (run_id, node) (x) > 0.85", True),
+        ('rate(x_bucket{le="0.1"}[2m]) / ignoring (le) rate(x_count[2m])', True),
+        ("(up == 0) * on (job, instance) group_left (run_id) y", True),
+        ("sum by (run_id) (x)", False),
+        ("sum(x)", False),
+        ("sum(x) by (node)", True),
+        ("x unless on (run_id) y", False),
+        ("sum without (node) (x)", False),
+        ("topk by (run_id) (1, x)", False),
+    ],
+)
+def test_a_rule_is_a_shards_only_when_no_grouping_crosses_nodes(expr: str, local: bool) -> None:
+    assert is_shard_local(expr) is local
+
+
+def test_selectors_are_read_as_written_and_strings_durations_and_functions_are_not_series() -> None:
+    expr = (
+        'label_replace(min by (run_id) (a_total{local_rank="0", le = "0.1"}[5m] offset 30m) < 1e-07, "signal", '
+        '"scale", "", "") or max_over_time(timestamp(run:b:c)[30m:]) and on (run_id) time() - d'
+    )
+    assert selectors(expr) == {
+        Selector("a_total", ('le="0.1"', 'local_rank="0"')),
+        Selector("run:b:c"),
+        Selector("d"),
+    }
+    assert Selector("a").covers(Selector("a", ('le="0.1"',))) and not Selector("a", ('le="1"',)).covers(Selector("a"))
+
+
+def test_the_committed_sharded_layout_is_the_commands_output_byte_for_byte(tmp_path) -> None:
+    assert cli.main(["--layout", "sharded", "--out", str(tmp_path)]) == 0
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(REPO) for p in (REPO / "prometheus" / "sharded").rglob("*") if p.is_file())
+    assert written == committed
+    for relative in written:
+        assert (tmp_path / relative).read_bytes() == (REPO / relative).read_bytes(), f"{relative} is stale"
+    assert cli.main(["--layout", "sharded", "--check", "--out", str(REPO)]) == 0
+    # A single-layout run writes nothing of the sharded layout (its output is unchanged).
+    single = tmp_path / "single"
+    assert cli.main(["--out", str(single)]) == 0
+    assert not (single / "prometheus" / "sharded").exists()
+
+
+def test_the_shard_count_sets_the_configs_and_bad_counts_fail_in_one_line(tmp_path) -> None:
+    assert cli.main(["--layout", "sharded", "--shards", "3", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "prometheus" / "sharded"
+    assert sorted(p.name for p in (out / "shard").glob("prometheus-*.yml")) == [f"prometheus-{i}.yml" for i in range(3)]
+    job = yaml.safe_load((out / "shard" / "prometheus-2.yml").read_text())["scrape_configs"][0]
+    assert [r.get("modulus") for r in job["relabel_configs"]][0] == 3 and job["relabel_configs"][1]["regex"] == "2"
+    federate = yaml.safe_load((out / "global" / "federate.yml").read_text())["scrape_configs"][0]
+    assert len(federate["static_configs"][0]["targets"]) == 3 and federate["honor_labels"] is True
+    argv = [sys.executable, "-m", "rankscope.mixin.cli", "--layout", "sharded", "--shards", "0", "--out", str(tmp_path)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "rankscope-mixin: --shards must be at least 1, got 0"
+    ]
+
+
+def test_promtool_accepts_every_generated_config_and_rule_file() -> None:
+    out = REPO / "prometheus" / "sharded"
+    for config in [out / "global" / "prometheus.yml", *sorted((out / "shard").glob("prometheus-*.yml"))]:
+        result = subprocess.run([binary("promtool"), "check", "config", str(config)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
