@@ -6,36 +6,41 @@ rules read and evaluates every alert and every run-level recording. The split is
 expression, from the rule areas of :mod:`rankscope.mixin.rules` and the one config, so the single-server and
 the sharded layouts cannot drift:
 
-- a recording rule goes to the shards when its result is per rank (every aggregation and vector match keeps
-  ``run_id, node, rank``) and it reads only scraped series or other shard recordings: a shard holds every
-  series of each rank it scrapes, so it computes exactly what one server would;
+- a recording rule goes to the shards when each of its results depends on one node's series (every
+  aggregation and vector match keeps ``node`` or ``instance``, as ``run_id, node, rank`` does) and it reads
+  only scraped series or other shard recordings: a shard holds every series of each node it scrapes, so it
+  computes exactly what one server would;
 - every other rule goes to the global server: each alert, and every recording that compares or combines
   ranks (a run's median, a count of ranks in a phase), which needs the ranks of every shard;
 - the global server federates (``match[]``) each series selector its rules read from a shard: the shard
   recordings by name, the scraped series with the matchers the rules use (one bucket, local rank 0).
 
+Only series that exist for as long as their rank serves metrics cross: a federated sample carries its
+timestamp, and Prometheus does not mark such a series stale when it vanishes from the federation (it stays
+visible for the global server's lookback delta, 5 minutes by default), so an alert condition that comes and
+goes is evaluated on the global server, never recorded on a shard.
+
 Timing: a federated sample keeps the timestamp it was scraped (or recorded) at (``honor_timestamps``), so
-rates and ``for`` durations on the global server measure the same time as on one server; each layer adds at
-most one interval to an alert (the shard's evaluation for a shard recording, the federation scrape).
-Shards carry no external label: ``honor_labels: true`` keeps every series' own labels, so the alerts carry
-exactly the labels they carry on one server.
+rates and ``for`` durations on the global server measure the same time as on one server; the federation adds
+at most one scrape interval before the global server's evaluation sees a sample, and a shard recording its
+own evaluation interval before that. Shards carry no external label: ``honor_labels: true`` keeps every
+series' own labels, so the alerts carry exactly the labels they carry on one server.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.rules import Alert, areas
+from rankscope.mixin.rules import areas
 
 __all__ = [
     "Selector",
     "ShardedLayout",
     "federation_job",
-    "condition_name",
     "is_shard_local",
     "render",
     "selectors",
@@ -193,11 +198,6 @@ def is_shard_local(expr: str) -> bool:
     return True
 
 
-def condition_name(alert: Alert) -> str:
-    """The series a shard records an alert's condition as, where the condition is the shard's to evaluate."""
-    return f"shard:{alert.name}:condition"
-
-
 @dataclass(frozen=True)
 class ShardedLayout:
     """The rule groups of each server (group dicts as :func:`rankscope.mixin.rules.groups` writes them, by
@@ -244,16 +244,7 @@ def split(t: Tunables) -> ShardedLayout:
                 on_shard.add(rule["record"])
             else:
                 global_rules.append(rule)
-        for alert in area.alerts(t):
-            # An alert whose condition one shard can evaluate (a rank's or a node's own series): the shard
-            # records the condition, the global server alerts on it. The series exists only while the
-            # condition holds, so it federates nothing while all is well.
-            if shard_can(alert.expr):
-                name = condition_name(alert)
-                shard_rules.append({"record": name, "expr": alert.expr})
-                on_shard.add(name)
-                alert = replace(alert, expr=name)
-            global_rules.append(alert.to_rule(t))
+        global_rules += [alert.to_rule(t) for alert in area.alerts(t)]
         if shard_rules:
             shard_groups[area.file_name] = _group(area.group, shard_rules, t)
         if global_rules:
