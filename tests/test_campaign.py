@@ -132,3 +132,38 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         operator.close()
         pager.close()
         endpoint.close()
+
+
+def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:
+    from benchmarks.campaign.__main__ import goals
+    from benchmarks.campaign.results import ArmSummary, FaultOutcome
+
+    def arm(name: str, goodput: float, to_target: float | None, final: float, faults=(), alarms=()) -> ArmSummary:
+        return ArmSummary(name=name, wall_seconds=100.0, tail_seconds=1.0, goodput_truth=goodput,
+                          goodput_ledger=goodput, seconds_to_target=to_target, final_val_loss=final,
+                          final_val_step=100, faults=list(faults), false_alarms=list(alarms), lost=[])  # fmt: skip
+
+    hang = FaultOutcome(id="hang_data-1", kind="hang_data", at_step=10, rank=1, injected_at=1.0,
+                        alert="RankscopeRankHung", alert_rank="1", detect_seconds=10.5, action="restart",
+                        outcome="applied", action_seconds=12.0, cost_seconds=20.0, steps_retrained=3)  # fmt: skip
+    unnamed = FaultOutcome(id="kill9-2", kind="kill9", at_step=20, rank=1, injected_at=2.0, alert=None,
+                           alert_rank="", detect_seconds=None, action="", outcome="", action_seconds=None,
+                           cost_seconds=None, steps_retrained=0, problems=["not named by X"])  # fmt: skip
+    judged = {goal: (met, figure) for goal, met, figure in goals([
+        arm("fault-free", 0.97, 100.0, 1.0),
+        arm("on", 0.96, 109.0, 1.02, faults=(hang, unnamed)),
+        arm("off", 0.80, None, 1.5, alarms=("RankscopeSlowSteps{rank=1} at 2 s",)),
+    ])}  # fmt: skip
+    assert judged["loop-on goodput >= 95%"] == (True, "96.0%")
+    assert judged["loop-on time to target within 10% of fault-free"] == (True, "+9.0%")
+    assert judged["final validation loss within 1% of fault-free"] == (False, "+2.0%")
+    assert judged["0 false alarms (every run)"] == (False, "1")  # the loop-off arm's counts too
+    assert judged["every fault named by its alert, with its rank"] == (False, "kill9 @ 20")
+    assert judged["hang to alert <= 10 s"] == (False, "10.5 s (slowest of 1)")
+
+
+def test_the_cadence_checkpoints_every_fifteen_seconds_and_validates_every_thirty() -> None:
+    from benchmarks.campaign.__main__ import cadence
+
+    assert cadence(0.05) == (300, 600)
+    assert cadence(10.0) == (10, 20)  # never below test.yaml's own cadence

@@ -43,8 +43,12 @@ __all__ = ["ARMS", "ArmRecord", "ArmSpec", "rules_for", "run_arm"]
 NPROC = 2
 INTERVAL = "1s"
 #: Trainer settings every arm shares: one log record per step (its end time is the ground truth's clock), the
-#: control endpoint on, a clean end that lingers for the last scrapes.
+#: control endpoint on, a clean end that lingers for the last scrapes, and data enough that the run does not
+#: loop over a few samples for hours (test.yaml's 1024) and a validation set whose loss is a verdict, not noise
+#: (test.yaml's 128 samples swing by tens of percent between neighbouring validations).
 COMMON_SETTINGS = (
+    "data.synthetic.train_size=16384",
+    "data.synthetic.val_size=1024",
     "run.log_every=1",
     "run.linger_seconds=3",
     "control.endpoint=true",
