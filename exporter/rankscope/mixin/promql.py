@@ -117,6 +117,10 @@ LOSS_CHANGE = f"run:{metric_name('loss')}:relative_change_per_1k_steps"
 PAUSED_MAX = f"run:{metric_name('paused')}:max"
 RUN_FINISHED_RECENT = f"run:{metric_name('run_finished')}:min_recent"
 RUN_ENDED = f"run:{metric_name('run_finished')}:ended"
+#: Per scrape target: the newest run and rank it served within the rank-down lookback, valued the last time it did.
+RANK_SEEN_AT = f"run_rank:{metric_name('run_info')}:last_seen_timestamp_seconds"
+#: Ranks whose last word within the rank-down lookback was "finished", valued when they said it.
+RANK_FINISHED_AT = f"run_rank:{metric_name('run_finished')}:finished_timestamp_seconds"
 # hangs
 HANG_STEP_SECONDS = f"run:{metric_name('step_duration_seconds')}:hang_reference_mean"
 HANG_THRESHOLD = f"run:{metric_name('last_step_timestamp_seconds')}:hang_threshold_seconds"

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.promql import PAUSED_MAX, RANK, RUN, RUN_ENDED, RUN_FINISHED_RECENT, metric_name, num
+from rankscope.mixin.promql import (
+    PAUSED_MAX,
+    RANK,
+    RANK_FINISHED_AT,
+    RANK_SEEN_AT,
+    RUN,
+    RUN_ENDED,
+    RUN_FINISHED_RECENT,
+    metric_name,
+    num,
+)
 from rankscope.mixin.rules import RANK_TEXT, Alert
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
-    """Whether a run is paused (several alerts, here and in other areas, exclude paused runs), and whether it
-    has ended (every alert but RankscopeRankDown excludes ended runs: rankscope.mixin.rules.Alert)."""
+    """Whether a run is paused (several alerts, here and in other areas, exclude paused runs), whether it
+    has ended (every alert but RankscopeRankDown excludes ended runs: rankscope.mixin.rules.Alert), and what
+    the rank-down alert needs to name a target that stopped answering."""
     finished = metric_name("run_finished")
+    info = metric_name("run_info")
+    lookback = num(duration_seconds(t.rank_down_lookback))
     return [
         {"record": PAUSED_MAX, "expr": f"max by ({RUN}) ({metric_name('paused')})"},
         # 0 while a rank that served metrics within the window says it is running, 1 when every such rank said
@@ -23,6 +37,27 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "expr": f"max by ({RUN}) (last_over_time({RUN_FINISHED_RECENT}[{t.ended_lookback}])) * 0 + 1\n"
             f"unless on ({RUN})\n"
             f"({RUN_FINISHED_RECENT} == 0)",
+        },
+        # The rank-down alert's memory of a target (static targets carry no run_id or rank on `up`): the run and
+        # rank it served last, valued when it last did. Carried forward by reading its own value while the target
+        # serves nothing (a target that fails a scrape has its series marked stale), for the lookback; a target
+        # that serves another run is that run's. Equal to the newest sample of a range read over the lookback,
+        # with one instant read per target instead of every sample of the lookback (what a 30 minute range cost
+        # at thousands of ranks). What a range read would find and this does not: data from before a gap
+        # longer than the lookback delta in Prometheus's own evaluations (a restart of more than 5 minutes).
+        {
+            "record": RANK_SEEN_AT,
+            "expr": f"max by (job, instance, {RANK}) (timestamp({info}))\n"
+            f"or\n"
+            f"(\n  {RANK_SEEN_AT} >= time() - {lookback}\n  unless on (job, instance)\n  {info}\n)",
+        },
+        # Ranks whose last word within the lookback was "finished" (1): gone, not down. Carried the same way, and
+        # dropped as soon as the rank serves anything else (a resumed rank serves 0 again).
+        {
+            "record": RANK_FINISHED_AT,
+            "expr": f"max by ({RANK}) (timestamp({finished}) and {finished} == 1)\n"
+            f"or\n"
+            f"(\n  {RANK_FINISHED_AT} >= time() - {lookback}\n  unless on (run_id, rank)\n  {finished}\n)",
         },
     ]
 
@@ -43,10 +78,9 @@ def alerts(t: Tunables) -> list[Alert]:
         Alert(
             "RankscopeRankDown",
             # The `up` series of a rank carries run_id/rank when service discovery sets them (file_sd from
-            # the trainer, Kubernetes); with static targets they come from the metrics the rank served last.
-            # A static target stands for the newest run it served (its latest run_info sample, at the evaluation
-            # interval: as many points as the range read it replaces): an older run on the same port is history,
-            # not a rank that is down now.
+            # the trainer, Kubernetes); with static targets they come from the metrics the rank served last
+            # (RANK_SEEN_AT): a static target stands for the newest run it served within the lookback, an older
+            # run on the same port is history, not a rank that is down now.
             # A rank whose last word was "finished cleanly" (rankscope_run_finished) is gone, not down.
             f"(\n"
             f'  max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
@@ -54,12 +88,11 @@ def alerts(t: Tunables) -> list[Alert]:
             f"  max by ({RANK}, instance) (\n"
             f"    (up == 0)\n"
             f"    * on (job, instance) group_left ({RANK})\n"
-            f"    topk by (job, instance) (1, max_over_time(timestamp({metric_name('run_info')})"
-            f"[{t.rank_down_lookback}:]))\n"
+            f"    topk by (job, instance) (1, {RANK_SEEN_AT})\n"
             f"  )\n"
             f")\n"
             f"unless on (run_id, rank)\n"
-            f"(last_over_time({metric_name('run_finished')}[{t.rank_down_lookback}]) == 1)",
+            f"{RANK_FINISHED_AT}",
             t.rank_down_for,
             t.rank_down_severity,
             "A rank of a live run cannot be scraped.",
