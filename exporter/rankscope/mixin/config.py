@@ -150,7 +150,7 @@ class Tunables:
     rate_window: str = "2m"
     """Range for rate() and histogram quantiles; keep it >= 4 scrape intervals."""
     loss_smoothing_window: str = "2m"
-    """Loss is averaged over this range before comparing, so one noisy batch cannot fire."""
+    """The loss's median over this range is compared, so a noisy batch or a short spike cannot fire."""
     loss_min_window: str = "30m"
     """Divergence compares the smoothed loss with its minimum over this range."""
     loss_change_window: str = "30m"

@@ -24,10 +24,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
     is read once per evaluation instead of once per alert."""
     loss = metric_name("loss")
     return [
-        # Each rank's loss is its own micro-batch's: the run's is their average.
+        # Each rank's loss is its own micro-batch's: the run's is their average. Over time, the median: a mean lets
+        # a few very bad batches (a 12 s spike, over at once) hold the whole window above the line for its length,
+        # and the alert then acts on a run that had already recovered.
         {
             "record": LOSS_SMOOTHED,
-            "expr": f'avg by ({RUN}) (avg_over_time({loss}{{split="train"}}[{t.loss_smoothing_window}]))',
+            "expr": f'avg by ({RUN}) (quantile_over_time(0.5, {loss}{{split="train"}}[{t.loss_smoothing_window}]))',
         },
         {"record": LOSS_WINDOW_MIN, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_min_window}])"},
         {"record": NONFINITE_MAX, "expr": f"max by ({RUN}) ({metric_name('nonfinite_steps_total')})"},
@@ -46,7 +48,7 @@ def alerts(t: Tunables) -> list[Alert]:
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
-            "The training loss of run {{ $labels.run_id }} (all ranks, averaged over "
+            "The training loss of run {{ $labels.run_id }} (all ranks, the median over "
             f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
             f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
