@@ -77,13 +77,19 @@ def _dependency_order(paths: list[Path]) -> list[str]:
     return ordered
 
 
-#: Old alerts under their own names, less the current ones, and the other way round: nothing at any evaluation.
-_DIFFERENCE = (
-    f'(label_replace(ALERTS{{alertname=~"{_OLD_ALERT}.+"}}, "alertname", "$1", "alertname", "{_OLD_ALERT}(.+)")'
-    f' unless ALERTS{{alertname!~"{_OLD_ALERT}.+"}})'
-    f' or (ALERTS{{alertname!~"{_OLD_ALERT}.+"}}'
-    f' unless label_replace(ALERTS{{alertname=~"{_OLD_ALERT}.+"}}, "alertname", "$1", "alertname", "{_OLD_ALERT}(.+)"))'
+#: Alerts whose meaning was changed on purpose since OLD_REVISION, and by which commit: left out of the comparison
+#: (their own promtool tests pin the new meaning).
+CHANGED_ON_PURPOSE = {
+    "RankscopeLossDiverging": "12d1d52: smoothed with the median, not the mean (a burst of poisoned data)",
+}
+_COMPARED = f'alertname!~"({_OLD_ALERT})?({"|".join(CHANGED_ON_PURPOSE)})"'
+_OLD = (
+    f'label_replace(ALERTS{{alertname=~"{_OLD_ALERT}.+", {_COMPARED}}}, "alertname", "$1", "alertname", '
+    f'"{_OLD_ALERT}(.+)")'
 )
+_NEW = f'ALERTS{{alertname!~"{_OLD_ALERT}.+", {_COMPARED}}}'
+#: Old alerts under their own names, less the current ones, and the other way round: nothing at any evaluation.
+_DIFFERENCE = f"({_OLD} unless {_NEW}) or ({_NEW} unless {_OLD})"
 
 
 def _seconds(duration: str) -> int:

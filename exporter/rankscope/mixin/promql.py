@@ -129,6 +129,13 @@ HANG_STALLED = f"run:{metric_name('last_step_timestamp_seconds')}:stalled_second
 #: the run's last excused phase, to within an interval.
 HANG_EXCUSED_AT = f"run:{metric_name('phase')}:hang_excused_timestamp_seconds"
 HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
+#: The latest step of any rank of a run (0 before the first step).
+LAST_STEP_MAX = f"run:{metric_name('last_step_timestamp_seconds')}:max"
+#: How many ranks of a run are in each phase (label `phase`: the index as text).
+PHASE_RANKS = f"run:{metric_name('phase')}:ranks_by_phase"
+#: The most and the fewest collectives a rank of the run has started (summed over mesh dimensions).
+COLLECTIVES_MAX = f"run:{metric_name('collectives_total')}:max"
+COLLECTIVES_MIN = f"run:{metric_name('collectives_total')}:min"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
 CHECKPOINT_FAILED_AT = f"run:{metric_name('checkpoint_failures_total')}:failure_timestamp_seconds"
@@ -160,13 +167,15 @@ def recording_depth(rules: list[dict[str, str]]) -> dict[str, int]:
     """
     depth: dict[str, int] = {}
     for rule in rules:  # in dependency order
-        depth[rule["record"]] = 1 + expression_depth(rule["expr"], depth)
+        # A record that carries its own last value forward reads itself: that adds no level.
+        own = rule["record"]
+        depth[own] = 1 + expression_depth(rule["expr"], depth, ignore=own)
     return depth
 
 
-def expression_depth(expr: str, depth: dict[str, int]) -> int:
-    """The highest level of the recorded series `expr` reads (0: only scraped ones)."""
-    read = recorded_names(expr)
+def expression_depth(expr: str, depth: dict[str, int], ignore: str = "") -> int:
+    """The highest level of the recorded series `expr` reads (0: only scraped ones), `ignore` left out."""
+    read = recorded_names(expr) - {ignore}
     unknown = sorted(read - set(depth))
     if unknown:
         raise ValueError(f"{expr!r} reads {unknown} before any rule records it")

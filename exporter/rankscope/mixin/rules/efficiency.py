@@ -41,8 +41,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
     training, lost, wall = 'bucket="training"', 'bucket="lost"', 'bucket!="lost"'
     return [
         # --- level 1 -----------------------------------------------------------------------------------------
-        # One series per run and bucket: rank 0's, whichever node it ran on in each incarnation.
-        {"record": GOODPUT_BUCKETS, "expr": f"max by ({RUN}, bucket) ({metric_name('goodput_seconds_total')})"},
+        # One series per run and bucket: rank 0's, whichever node it ran on in each incarnation. Only rank 0
+        # exports them; the matcher says so, and keeps the read to rank 0's series even where a page holds more.
+        {
+            "record": GOODPUT_BUCKETS,
+            "expr": f"max by ({RUN}, bucket) ({metric_name('goodput_seconds_total')}{{rank=\"0\"}})",
+        },
         {"record": FLOPS_RATE, "expr": f"sum by ({RUN}) (rate({metric_name('model_flops_total')}[{t.rate_window}]))"},
         {"record": PEAK_FLOPS, "expr": f"sum by ({RUN}) ({metric_name('peak_flops_per_second')})"},
         # --- level 2 -----------------------------------------------------------------------------------------

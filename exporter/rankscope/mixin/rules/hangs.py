@@ -28,12 +28,16 @@ from __future__ import annotations
 from rankscope.contract import PHASES
 from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
+    COLLECTIVES_MAX,
+    COLLECTIVES_MIN,
     HANG_EXCUSED_AT,
     HANG_STALLED,
     HANG_STEP_SECONDS,
     HANG_SUSPECTS,
     HANG_THRESHOLD,
+    LAST_STEP_MAX,
     ONE_PER_NODE,
+    PHASE_RANKS,
     RANK,
     RUN,
     metric_name,
@@ -42,27 +46,44 @@ from rankscope.mixin.promql import (
 from rankscope.mixin.rules import Alert
 
 _COLLECTIVE = PHASES.index("collective")
+_CHECKPOINT, _VALIDATION = PHASES.index("checkpoint"), PHASES.index("validation")
 
 
 def _phase(name: str) -> str:
     return f"{metric_name('phase')} == {PHASES.index(name)}"
 
 
-def _within(started: str, limit: float, name: str) -> str:
-    """Ranks in phase `name` for less than `limit` seconds."""
-    return f"((time() - {started} < {num(limit)}) and on ({RANK}) ({_phase(name)}))"
+def _within(started: str, limit: float, phases: str) -> str:
+    """Ranks in one of `phases` (a filter on the phase's value) for less than `limit` seconds."""
+    return f"((time() - {started} < {num(limit)}) and on ({RANK}) ({metric_name('phase')} {phases}))"
 
 
 def _counts() -> str:
     return f"sum by ({RANK}) ({metric_name('collectives_total')})"
 
 
+def _timed_excuses(t: Tunables, started: str) -> list[str]:
+    """Checkpoint and validation within their limits: one read of the phase when the limits are equal (the
+    phases are neighbours), else one each."""
+    assert _VALIDATION == _CHECKPOINT + 1, "the excused phases must be neighbours in rankscope.contract.PHASES"
+    if t.hang_checkpoint_limit_seconds == t.hang_validation_limit_seconds:
+        return [_within(started, t.hang_checkpoint_limit_seconds, f">= {_CHECKPOINT} <= {_VALIDATION}")]
+    return [
+        _within(started, t.hang_checkpoint_limit_seconds, f"== {_CHECKPOINT}"),
+        _within(started, t.hang_validation_limit_seconds, f"== {_VALIDATION}"),
+    ]
+
+
 def records(t: Tunables) -> list[dict[str, str]]:
+    """Every rank's phase, phase start, last step and collective count is read at most three times per
+    evaluation (each read of a per-rank series costs about its number of ranks in series lookups): the run-level
+    facts the suspects need are recorded first, and the suspects themselves only for a run past its threshold."""
     phase = metric_name("phase")
     started = metric_name("phase_started_timestamp_seconds")
     step = metric_name("step_duration_seconds")
     last_step = metric_name("last_step_timestamp_seconds")
-    in_collective = f"{phase} == {_COLLECTIVE}"
+    excuses = [*_timed_excuses(t, started), f"({_phase('paused')})", f"({metric_name('paused')} > 0)"]
+    in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
     return [
         {
             # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
@@ -74,12 +95,14 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"/\n"
             f"(sum by ({RUN}) (rate({step}_count{ONE_PER_NODE}[{t.hang_step_window}])) > 0)",
         },
+        # 0 until a rank of the run completed a step (then above 0: the max of the ranks that have).
+        {"record": LAST_STEP_MAX, "expr": f"max by ({RUN}) ({last_step})"},
         {
             "record": HANG_THRESHOLD,
             "expr": f"clamp_min(last_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
             f"{num(t.hang_step_multiple)}, {num(t.hang_floor_seconds)})\n"
             f"or on ({RUN})\n"
-            f"(max by ({RUN}) ({last_step}) * 0 + {num(t.hang_floor_seconds)})",
+            f"({LAST_STEP_MAX} * 0 + {num(t.hang_floor_seconds)})",
         },
         {
             # A run with a rank checkpointing or validating within its limit, or paused, is not hung. Valued the
@@ -87,48 +110,51 @@ def records(t: Tunables) -> list[dict[str, str]]:
             # dates it; a run is not hung the moment a long checkpoint ends, only once nothing followed it for
             # the threshold.
             "record": HANG_EXCUSED_AT,
-            "expr": f"max by ({RUN}) (\n"
-            f"  {_within(started, t.hang_checkpoint_limit_seconds, 'checkpoint')}\n"
-            f"  or\n"
-            f"  {_within(started, t.hang_validation_limit_seconds, 'validation')}\n"
-            f"  or\n"
-            f"  ({_phase('paused')})\n"
-            f"  or\n"
-            f"  ({metric_name('paused')} > 0)\n"
-            f") * 0 + time()",
+            "expr": f"max by ({RUN}) (\n  " + "\n  or\n  ".join(excuses) + "\n) * 0 + time()",
         },
         {
             # From the last activity; absent until the run's ranks completed a step (start-up, the first step).
+            # max(last step, last excused) where a step was completed: each side where it is the larger, or alone.
             "record": HANG_STALLED,
-            "expr": f"time() - max by ({RUN}) (\n"
-            f"  ({last_step} > 0)\n"
+            "expr": f"time() - (\n"
+            f"  ({LAST_STEP_MAX} > 0 >= on ({RUN}) max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]))\n"
+            f"  or on ({RUN})\n"
+            f"  (max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]) > on ({RUN}) ({LAST_STEP_MAX} > 0))\n"
+            f"  or on ({RUN})\n"
+            f"  ({LAST_STEP_MAX} > 0)\n"
+            f")",
+        },
+        # What the suspects compare each rank with, one read of the phase and two of the counts for every run.
+        {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {phase})'},
+        {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({_counts()})"},
+        {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({_counts()})"},
+        {
+            # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring). Only
+            # for a run without a step for longer than the floor, below which the alert cannot fire: a healthy
+            # run, whose ranks are in and out of collectives at every scrape, records none.
+            "record": HANG_SUSPECTS,
+            "expr": f"(\n"
+            f"  label_replace(\n"
+            f"    {phase} != {_COLLECTIVE} and on ({RUN}) {in_collective},\n"
+            f'    "suspect", "outside_collective", "", ""\n'
+            f"  )\n"
             f"  or\n"
-            f"  max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}])\n"
+            f"  label_replace(\n"
+            f"    ({phase} == {_COLLECTIVE})\n"
+            f"    and on ({RANK})\n"
+            f"    ({_counts()} < on ({RUN}) group_left () {COLLECTIVES_MAX}),\n"
+            f'    "suspect", "lagging_collectives", "", ""\n'
+            f"  )\n"
+            f"  or\n"
+            f"  label_replace(\n"
+            f"    max by ({RUN}) ({in_collective}) * 0 + {_COLLECTIVE}\n"
+            f"    and on ({RUN}) (sum by ({RUN}) ({in_collective}) == sum by ({RUN}) ({PHASE_RANKS}))\n"
+            f"    and on ({RUN}) ({COLLECTIVES_MIN} == {COLLECTIVES_MAX}),\n"
+            f'    "suspect", "every_rank_in_collective", "", ""\n'
+            f"  )\n"
             f")\n"
             f"and on ({RUN})\n"
-            f"({last_step} > 0)",
-        },
-        {
-            # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring).
-            "record": HANG_SUSPECTS,
-            "expr": f"label_replace(\n"
-            f"  {phase} != {_COLLECTIVE} and on ({RUN}) (count by ({RUN}) ({in_collective}) > 0),\n"
-            f'  "suspect", "outside_collective", "", ""\n'
-            f")\n"
-            f"or\n"
-            f"label_replace(\n"
-            f"  ({in_collective})\n"
-            f"  and on ({RANK})\n"
-            f"  ({_counts()} < on ({RUN}) group_left () max by ({RUN}) ({_counts()})),\n"
-            f'  "suspect", "lagging_collectives", "", ""\n'
-            f")\n"
-            f"or\n"
-            f"label_replace(\n"
-            f"  max by ({RUN}) ({in_collective})\n"
-            f"  and on ({RUN}) (count by ({RUN}) ({in_collective}) == count by ({RUN}) ({phase}))\n"
-            f"  and on ({RUN}) (min by ({RUN}) ({_counts()}) == max by ({RUN}) ({_counts()})),\n"
-            f'  "suspect", "every_rank_in_collective", "", ""\n'
-            f")",
+            f"({LAST_STEP_MAX} > 0 < time() - {num(t.hang_floor_seconds)})",
         },
     ]
 
