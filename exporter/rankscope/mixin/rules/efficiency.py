@@ -45,7 +45,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
         # exports them; the matcher says so, and keeps the read to rank 0's series even where a page holds more.
         {
             "record": GOODPUT_BUCKETS,
-            "expr": f"max by ({RUN}, bucket) ({metric_name('goodput_seconds_total')}{{rank=\"0\"}})",
+            "expr": f'max by ({RUN}, bucket) ({metric_name("goodput_seconds_total")}{{rank="0"}})',
         },
         {"record": FLOPS_RATE, "expr": f"sum by ({RUN}) (rate({metric_name('model_flops_total')}[{t.rate_window}]))"},
         {"record": PEAK_FLOPS, "expr": f"sum by ({RUN}) ({metric_name('peak_flops_per_second')})"},
