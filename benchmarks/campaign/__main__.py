@@ -34,7 +34,7 @@ from devstack.ports import free_port, local_ports
 from .arm import ARMS, COMMON_SETTINGS, ArmRecord, rules_for, run_arm
 from .operator import runbook_actions
 from .results import GOODPUT_TOLERANCE, ArmSummary, summarise, target_loss
-from .schedule import KINDS, QUICK_KINDS, Fault, build_schedule
+from .schedule import FULL_KINDS, KINDS, QUICK_KINDS, Fault, build_schedule
 
 #: Steps before the first fault, beyond the first checkpoint: start-up, the first validations.
 WARMUP_STEPS = 60
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(known)}")
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
         parser.error(f"--workdir {args.workdir} is not empty: give a new folder (each run's files are kept there)")
-    kinds = chosen or (QUICK_KINDS if args.quick else known)
+    kinds = chosen or (QUICK_KINDS if args.quick else FULL_KINDS)
 
     with tempfile.TemporaryDirectory(prefix="rankscope-campaign-") as scratch:
         workdir = args.workdir or Path(scratch)

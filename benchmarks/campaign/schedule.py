@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "QUICK_KINDS", "Fault", "Kind", "build_schedule"]
+__all__ = ["FULL_KINDS", "KINDS", "QUICK_KINDS", "Fault", "Kind", "build_schedule"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,13 @@ KINDS: tuple[Kind, ...] = (
     Kind("hang_data", "rank 1's data loader never delivers", "RankscopeRankHung", True,
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "data"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
-    Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
-         trainer={"kind": "poison", "batches": 400}, detect_seconds=150, effect_seconds=60),
-    Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", True,
+    # The learning rate 4x too high, kept in every checkpoint after it: the loss does not come back by itself.
+    # The shipped action halves the rate; the alert fires again (its action's window over) while it still
+    # diverges, so two halvings may be needed.
+    Kind("diverge", "the learning rate 4x too high (kept in checkpoints)", "RankscopeLossDiverging", False,
+         trainer={"kind": "diverge", "lr_factor": 4.0}, detect_seconds=240, effect_seconds=300),
+    # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
+    Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
     Kind("straggler", "rank 1 slowed by 2x, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
@@ -80,7 +84,13 @@ KINDS: tuple[Kind, ...] = (
          needs_operator=False, restarts=1, effect_seconds=60),
     Kind("preempt", "SIGTERM to the job, then started again", None, False, by_runner=True, detect_seconds=0,
          needs_operator=False, effect_seconds=60),
+    # Not in the full schedule (`--faults poison` plays it): a stretch of bad data ends by itself when the stretch
+    # does, and the shipped divergence action (reduce_lr) cannot fix the data while it lasts; `rollback` skips it.
+    Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
+         trainer={"kind": "poison", "batches": 400}, detect_seconds=240, effect_seconds=60),
 )  # fmt: skip
+#: The full campaign: one fault of each kind a real run meets.
+FULL_KINDS = tuple(kind.name for kind in KINDS if kind.name != "poison")
 #: `--quick`: one fault of three kinds (a training fault, a hang, one the loop must not mistake for a hang).
 QUICK_KINDS = ("nonfinite", "hang_data", "slow_checkpoint")
 
