@@ -514,6 +514,57 @@ def test_a_page_rendered_between_record_and_the_step_s_end_shows_one_step_s_stat
     assert pages[3] == {"global_step": 2, "loss": 3.0, "grad_norm": 0.25}
 
 
+def test_a_scrape_in_progress_never_holds_up_the_step_s_end_and_its_page_is_still_one_step_s_state():
+    """The page reads the registry while the training thread publishes a step's end: the publication must not
+    wait for the page (a render takes up to milliseconds, a scrape's probes longer), and the page must not mix
+    two steps either. A gauge of the loop's own, read from a function, holds one real scrape mid-read."""
+    import threading
+
+    from rankscope.contract import MetricKind, MetricSpec
+    from support import fetch, samples, wait_for
+
+    reading, release = threading.Event(), threading.Event()
+
+    def held() -> float:
+        reading.set()
+        release.wait(timeout=60)
+        return 1.0
+
+    spec = MetricSpec("team_held_ratio", MetricKind.GAUGE, "A value read from a function at scrape time.", unit="ratio")
+    monitor = Monitor(
+        MonitorConfig(base_port=0, host="127.0.0.1", probes=(), page_cache_seconds=0),
+        IDENTITY,
+        device="cpu",
+        extra_metrics=[spec],
+    )
+    monitor.instruments.child("team_held_ratio").set_function(held)
+    server = monitor.start()
+    pages: list[str] = []
+    scrape = threading.Thread(target=lambda: pages.append(fetch(server.url, timeout=60)))
+    ended = threading.Event()
+
+    def one_step() -> None:
+        with monitor.step() as step:
+            step.record(loss=2.0, grad_norm=0.5)
+        ended.set()
+
+    try:
+        scrape.start()
+        wait_for(reading.is_set, 30, "the scrape reading the held gauge")
+        training = threading.Thread(target=one_step)
+        training.start()
+        wait_for(ended.is_set, 10, "the step's end while a scrape is reading the page")
+    finally:
+        release.set()
+        scrape.join(timeout=60)
+    found = samples(pages[0])
+    labels = tuple(sorted(LABELS.items()))
+    step = found[("rankscope_global_step", labels)]
+    loss = found.get(("rankscope_loss", tuple(sorted({**LABELS, "split": "train"}.items()))))
+    assert (step, loss) == (1.0, 2.0), f"the page mixed two steps: global_step {step}, loss {loss}"
+    monitor.close()
+
+
 def test_a_host_value_held_until_the_step_s_end_is_the_value_it_had_when_recorded():
     monitor = make()
     with monitor.step() as context:

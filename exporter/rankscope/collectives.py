@@ -163,6 +163,7 @@ class CollectiveView:
         self._seconds: dict[tuple[str, str], float] = {}
         self._step_intervals: list[tuple[float, float]] = []
         self._pending: dict[int, _Pending] = {}  # issued, not seen finished; oldest first
+        self._waited_items = 0  # of them, blocking composites whose end is a wait (`thread` set)
         self._untimed = 0  # collectives whose completion torch does not report (see _issued)
         # Per hooked (gloo) group: the collectives and send/recv it issued since hooked, and what it had started
         # before (FR's count at hooking, less what the hooks had counted by then). Written under `_lock`.
@@ -214,9 +215,10 @@ class CollectiveView:
 
             if not (dist.is_available() and dist.is_initialized()):
                 return
-            groups = list(dist.distributed_c10d._world.pg_map)
-            if len(groups) == self._groups_seen:
+            pg_map = dist.distributed_c10d._world.pg_map
+            if len(pg_map) == self._groups_seen:
                 return
+            groups = list(pg_map)
             self._groups_seen = len(groups)
             counted = [name for group in groups if id(group) not in self._hooked and (name := self._hook(group))]
             if counted:
@@ -271,16 +273,23 @@ class CollectiveView:
         return name
 
     def _issued(self, args: Any, group: str) -> None:
-        """A collective was issued on a hooked group (training thread): count it, time it to completion."""
-        kind = kind_of(str(args.name))
+        """A collective was issued on a hooked group (training thread): count it, time it to completion.
+
+        This runs for every collective (DDP's buckets, FSDP2's gathers), inside the loop's backward: each
+        call it makes counts, so the op's kind is looked up, not worked out again (str() of torch's op enum
+        alone costs microseconds)."""
+        op = args.name
+        kind = _HOOK_KINDS.get(op)
+        if kind is None:
+            kind = _HOOK_KINDS.setdefault(op, kind_of(str(op)))  # torch's op enum: a bounded set
         with self._lock:
             self._issued_count[group] = self._issued_count.get(group, 0) + 1
         work = args.work
         if work is None or not self._timing:
             return
         now = time.perf_counter()
-        self._poll_pending(now)  # issuing is also a moment to see earlier ones done
-        self._drop_unwaited(threading.get_ident())  # a blocking one this thread issued before has returned
+        if self._waited_items:
+            self._drop_unwaited(threading.get_ident())  # a blocking one this thread issued before has returned
         try:
             future = work.get_future()
         except RuntimeError:
@@ -296,6 +305,7 @@ class CollectiveView:
             item = _Pending(kind, self.dim_of(group), group, now, time.time(), work, threading.get_ident())
             with self._lock:
                 self._pending[id(item)] = item
+                self._waited_items += 1
             _WAITED[id(work)] = lambda: self._finish(item, time.perf_counter())
             return
         item = _Pending(kind, self.dim_of(group), group, now, time.time(), work)
@@ -313,6 +323,7 @@ class CollectiveView:
                 _WAITED.pop(id(item.work), None)
                 item.work = None
             self._untimed += len(stale)
+            self._waited_items -= len(stale)
 
     def _finish(self, item: _Pending, ended: float) -> None:
         with self._lock:
@@ -320,23 +331,13 @@ class CollectiveView:
                 return
             if item.thread:
                 _WAITED.pop(id(item.work), None)
+                self._waited_items -= 1
             key = (item.kind, item.dim)
             self._seconds[key] = self._seconds.get(key, 0.0) + (ended - item.started)
             self._step_intervals.append((item.started, ended))
         item.work = None  # let torch free it
 
-    def _poll_pending(self, now: float) -> None:
-        """Works without a future finish when we next look: at the next collective, the step's end or a scrape
-        (an upper bound on their time)."""
-        with self._lock:
-            polled = [item for item in self._pending.values() if item.polled]
-        for item in polled:
-            work = item.work
-            if work is not None and work.is_completed():
-                self._finish(item, now)
-
     def _oldest_pending(self) -> InFlight | None:
-        self._poll_pending(time.perf_counter())
         with self._lock:
             item = next(iter(self._pending.values()), None)
         if item is None:
@@ -355,11 +356,11 @@ class CollectiveView:
         no earlier than `since` (the step's start: what ran between steps, such as the control channel's
         exchange, is not the step's)."""
         self.attach_groups()
-        self._poll_pending(time.perf_counter())
-        self._drop_unwaited(threading.get_ident())
+        if self._waited_items:
+            self._drop_unwaited(threading.get_ident())
         with self._lock:
             intervals, self._step_intervals = self._step_intervals, []
-        return [(max(start, since), end) for start, end in intervals if end > since]
+        return [(max(start, since), end) for start, end in intervals if end > since] if intervals else intervals
 
     # --- metrics thread -----------------------------------------------------------------------
 
@@ -462,6 +463,9 @@ class CollectiveView:
         return total
 
 
+# A hook's op (torch's HookOpName) -> kind; filled as ops are first seen.
+_HOOK_KINDS: dict[Any, str] = {}
+
 _HOOK_IDS = itertools.count(0x52534B00)  # each view's own post-hook id: two monitors in a process never clash
 
 # Blocking composite works being waited for (id(work) -> what ends their timing), and whether `Work.wait` tells.
@@ -502,7 +506,7 @@ def _watch_wait() -> bool:
     return _wait_watched
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     kind: str
     dim: str
@@ -511,7 +515,6 @@ class _Pending:
     wall_started: float  # Unix seconds
     work: Any
     thread: int = 0  # a blocking composite's issuing thread (its end is that thread's wait), else 0
-    polled: bool = False
 
 
 def _group_name(group: Any) -> str:

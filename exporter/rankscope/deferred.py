@@ -65,7 +65,8 @@ class DeferredValues:
             value = plain_tensor(value)
         # Few calls on this path: it runs several times per step on the training thread.
         if value.is_cpu and not self._tensor_queued():
-            values = value.tolist() if value.dim() == 1 else value.reshape(-1).tolist()  # its value now
+            dim = value.dim()  # its value now; a scalar (the loss, a norm) without a reshape, a tensor op
+            values = [value.item()] if dim == 0 else value.tolist() if dim == 1 else value.reshape(-1).tolist()
             if self.holding:
                 self._items.append((values, sink))
             else:

@@ -219,7 +219,8 @@ class GoodputLedger:
         if self._last_activity is None:
             return 0.0
         gap = now - self._last_activity
-        return gap if gap > self.hang.seconds(now) else 0.0
+        # The threshold is never below its floor: a gap within it (every step's case) needs no more arithmetic.
+        return gap if gap > self.hang.floor_seconds and gap > self.hang.seconds(now) else 0.0
 
     def _live_hang(self, now: float) -> float:
         return self._hang(now) if self._state == "training" else 0.0

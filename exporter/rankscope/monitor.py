@@ -22,8 +22,8 @@ know the answer before the optimizer step.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,7 +48,7 @@ from rankscope.instruments import BeforeRender, Instruments, observe_all
 from rankscope.modules import ModuleStats
 from rankscope.probes import Probe, ProbeCollector, default_probes
 from rankscope.progress import PHASE_INDEX, CollectivesCollector, ProgressTracker
-from rankscope.serving.exposition import state_changed
+from rankscope.serving.exposition import Publication, state_changed
 from rankscope.serving.metrics_endpoint import MetricsServer, serve_metrics
 from rankscope.serving.webconfig import web_config_for
 from rankscope.step_memory import StepPeakMemory
@@ -110,7 +110,7 @@ class Monitor:
         self.instruments = Instruments(self.registry, self.identity, extra=extra_metrics)
         self.global_step = 0
         self._deferred = DeferredValues()
-        self._page_lock = threading.Lock()  # a step's end is published under it, and the page read under it
+        self._publication = Publication()  # a step's end is published through it; the page reads through it
         self._backend_known = False  # run_info's backend: read again at each render until a process group exists
         self.registry.register(BeforeRender(self._refresh_run_info))
         self._children_of: dict[tuple, list[Any]] = {}  # set_each's children, per call shape
@@ -168,7 +168,7 @@ class Monitor:
                 who,
                 page_cache_seconds=self.config.page_cache_seconds,
                 web=web_config_for("metrics", self.config.web_config_file),
-                consistent=self._page_lock,
+                consistent=self._publication,
             )
             logger.info("rankscope: rank %d metrics at %s", self.identity.rank, self._server.url)
         return self._server
@@ -326,7 +326,8 @@ class Monitor:
             self._flops_call(self._flops.begin)
         if self._modules is not None:
             self._modules.begin_step(context.index)
-        self._step_memory_call(lambda memory: memory.begin())
+        if self._step_memory is not None:
+            self._step_memory_call(lambda memory: memory.begin())
         self._in_step = True
         self._deferred.holding = True  # what the step records shows with its global_step, at its end
         self.progress.begin_step()
@@ -341,8 +342,9 @@ class Monitor:
             if self._flops.measuring:
                 self._flops_call(self._flops.end)
         # Only a block that completed counts as a step; an exception propagates untouched.
-        seconds = time.perf_counter() - started + (0.0 if fetched_by_data else self._wait_before)
-        self._finish_step(context, seconds, samples, tokens, max_seq_len)
+        ended = time.perf_counter()
+        seconds = ended - started + (0.0 if fetched_by_data else self._wait_before)
+        self._finish_step(context, ended, seconds, samples, tokens, max_seq_len)
         if self._deferred.holding:  # the step's end failed before publishing it
             self._deferred.release()
 
@@ -479,7 +481,7 @@ class Monitor:
             if loss is not None:
                 self._deferred.add(loss, self._on_loss)
             if grad_norm is not None:
-                self.set("grad_norm", grad_norm)
+                self._deferred.add(grad_norm, self._on_grad_norm)
             if self._scaler is not None:
                 # Dynamic loss scaling: an overflowing gradient with a finite loss is the scaler's business
                 # (it skips the update and backs off); only a non-finite loss is a non-finite step.
@@ -501,36 +503,31 @@ class Monitor:
         return not skip
 
     def _finish_step(
-        self, context: StepContext, seconds: float, samples: int, tokens: int, max_seq_len: Value | None
+        self,
+        context: StepContext,
+        ended: float,
+        seconds: float,
+        samples: int,
+        tokens: int,
+        max_seq_len: Value | None,
     ) -> None:
         try:
             data_wait = self._wait_before + self._wait_inside
             self._wait_before = self._wait_inside = 0.0
             self._iteration_start = None
             self.global_step = context.index
-            m = self._metric
-            m["step_duration_seconds"].observe(seconds)
-            if self._reports_data_wait:
-                m["data_wait_seconds"].observe(data_wait)
-            m["steps_total"].inc()
-            if self._flops.per_step:
-                self._model_flops().inc(self._flops.per_step)
+            now = time.time()
             if self.goodput is not None:
-                self.goodput.on_step(context.index, time.time(), seconds)
-            if samples:
-                m["samples_total"].inc(samples)
-            if tokens:
-                m["tokens_total"].inc(tokens)
+                self.goodput.on_step(context.index, now, seconds)
             if max_seq_len is not None:
                 self.set("sequence_length_max_tokens", max_seq_len)
-            peak = self._step_memory_call(lambda memory: memory.end())
+            peak = self._step_memory_call(lambda memory: memory.end()) if self._step_memory is not None else None
             if peak is not None:
                 self.instruments.child(PREFIX + "step_peak_device_memory_bytes").set(peak)
-            self._publish_step(context.index)
-            m["last_step_timestamp_seconds"].set(time.time())
+            self._publish_step(context.index, now, seconds, data_wait, samples, tokens)
             comm_seconds, events = self._comm.take_step()
             if self.collectives is not None:
-                intervals = self.collectives.take_step(time.perf_counter() - seconds)
+                intervals = self.collectives.take_step(ended - seconds)
                 if not self._comm.attached:  # the DDP hook, where attached, is the one source of this histogram
                     comm_seconds = interval_union(intervals)
             if events:
@@ -548,11 +545,25 @@ class Monitor:
         except Exception as exc:
             self._fail("step", exc)
 
-    def _publish_step(self, index: int) -> None:
-        """The step's number and the values recorded during it, at one moment for a scrape (no device value
-        is read: those show at the flush that resolves them)."""
-        with self._page_lock:
-            self._metric["global_step"].set(index)
+    def _publish_step(
+        self, index: int, now: float, seconds: float, data_wait: float, samples: int, tokens: int
+    ) -> None:
+        """The step's number, its counts and times and the values recorded during it, at one moment for a scrape
+        (no device value is read: those show at the flush that resolves them). Never waits for a scrape."""
+        m = self._metric
+        with self._publication:
+            m["global_step"].set(index)
+            m["step_duration_seconds"].observe(seconds)
+            if self._reports_data_wait:
+                m["data_wait_seconds"].observe(data_wait)
+            m["steps_total"].inc()
+            if self._flops.per_step:
+                self._model_flops().inc(self._flops.per_step)
+            if samples:
+                m["samples_total"].inc(samples)
+            if tokens:
+                m["tokens_total"].inc(tokens)
+            m["last_step_timestamp_seconds"].set(now)
             self._deferred.release()
 
     def _start_goodput(self) -> None:
@@ -574,10 +585,7 @@ class Monitor:
         self.goodput.first_step(time.time() - (time.perf_counter() - started), previous_step)  # type: ignore[union-attr]
 
     def _model_flops(self) -> Any:
-        child = self._metric.get("model_flops_total")
-        if child is None:
-            child = self._metric["model_flops_total"] = self.instruments.child(PREFIX + "model_flops_total")
-        return child
+        return self._lazy("model_flops_total", "model_flops_total")
 
     def _flops_call(self, call: Any) -> None:
         """Enter or leave the FLOP counter; a failure is counted and the step goes on uncounted."""
@@ -626,13 +634,28 @@ class Monitor:
         if self._optimizer is None:
             return
         for index, group in enumerate(self._optimizer.param_groups):
-            self.set("learning_rate", group["lr"], param_group=str(index))
+            lr = group["lr"]
+            child = self._lazy(f"learning_rate/{index}", "learning_rate", param_group=str(index))
+            if type(lr) is float:  # the common case, set as it is (what set() does with a host number)
+                child.set(lr)
+            else:
+                self._deferred.add(lr, functools.partial(_set_last, child))
 
     def _on_loss(self, values: list[float]) -> None:
         loss = values[-1]
-        self.instruments.child(PREFIX + "loss", split="train").set(loss)
+        self._lazy("train_loss", "loss", split="train").set(loss)
         if self._spikes.update(loss):
             self._metric["loss_spikes_total"].inc()
+
+    def _on_grad_norm(self, values: list[float]) -> None:
+        self._lazy("grad_norm", "grad_norm").set(values[-1])
+
+    def _lazy(self, key: str, short: str, **labels: str) -> Any:
+        """A child bound on first use (a series appears once it has a value), then a dict lookup per step."""
+        child = self._metric.get(key)
+        if child is None:
+            child = self._metric[key] = self.instruments.child(PREFIX + short, **labels)
+        return child
 
     def _on_nonfinite(self, values: list[float]) -> None:
         if values and values[-1]:
@@ -709,6 +732,10 @@ _UNLABELLED = (
     "skipped_steps_total",
     "loss_spikes_total",
 )
+
+
+def _set_last(child: Any, values: list[float]) -> None:
+    child.set(values[-1])
 
 
 def _scaler_enabled(scaler: Any) -> bool:

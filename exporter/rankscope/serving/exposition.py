@@ -17,14 +17,13 @@ metric internals (`_metrics`, `_value`, `_buckets`, `_sum`, `_upper_bounds`), as
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gzip
 import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -41,7 +40,9 @@ except ImportError:  # pragma: no cover - older clients only allow legacy names 
         return s
 
 
-__all__ = ["CONTENT_TYPE", "CachedPage", "PageRenderer", "state_changed", "state_version"]
+__all__ = ["CONTENT_TYPE", "CachedPage", "PageRenderer", "Publication", "state_changed", "state_version"]
+
+T = TypeVar("T")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -106,8 +107,11 @@ class _Scalar:
     def __init__(self, child: Any, head: str) -> None:
         self.child, self.head, self.value = child, head, child._value
 
-    def render(self, out: list[str]) -> None:
-        out.append(self.head + _number(self.value.get()) + "\n")
+    def read(self) -> float:
+        return self.value.get()
+
+    def format(self, value: float, out: list[str]) -> None:
+        out.append(self.head + _number(value) + "\n")
 
 
 class _Buckets:
@@ -122,15 +126,19 @@ class _Buckets:
         self.count_head = _head(name + "_count", pairs)
         self.sum_head = _head(name + "_sum", pairs) if bounds[0] >= 0 else None
 
-    def render(self, out: list[str]) -> None:
+    def read(self) -> tuple[list[float], float]:
+        return [bucket.get() for bucket in self.buckets], self.total.get()
+
+    def format(self, value: tuple[list[float], float], out: list[str]) -> None:
+        counts, total = value
         accumulated = 0.0
         append = out.append
-        for head, bucket in zip(self.heads, self.buckets, strict=True):
-            accumulated += bucket.get()
+        for head, count in zip(self.heads, counts, strict=True):
+            accumulated += count
             append(f"{head}{accumulated!r}\n")  # a count: finite, so repr() is the text format's number
         append(f"{self.count_head}{accumulated!r}\n")
         if self.sum_head is not None:
-            append(f"{self.sum_head}{_number(self.total.get())}\n")
+            append(f"{self.sum_head}{_number(total)}\n")
 
 
 class _Samples:
@@ -141,8 +149,11 @@ class _Samples:
     def __init__(self, child: Any, name: str, pairs: list[tuple[str, str]]) -> None:
         self.child, self.name, self.pairs = child, name, pairs
 
-    def render(self, out: list[str]) -> None:
-        for suffix, labels, value, timestamp, *_ in self.child._child_samples():
+    def read(self) -> list[Any]:
+        return list(self.child._child_samples())
+
+    def format(self, samples: list[Any], out: list[str]) -> None:
+        for suffix, labels, value, timestamp, *_ in samples:
             if suffix == "_created":
                 continue
             line = _collected_head(self.name + suffix, (*self.pairs, *labels.items())) + _number(value)
@@ -172,14 +183,15 @@ class _Family:
         self.known: dict[tuple[str, ...], Any] = {}
         self.children: list[Any] = []  # the child objects the renderers below were made for, in order
         self.renderers: list[Any] = []
-        self.scalars: list[tuple[str, Any]] | None = None  # (head, value) when every child is a _Scalar
+        self.scalars: list[Any] | None = None  # the value objects when every child is a _Scalar
+        self.heads: list[str] = []  # and their heads
         # Gauge.set_function() replaces a child's sampling after its renderer was made: watched per render.
         self.gauge = isinstance(metric, Gauge)
         if not self.parent:
             self._follow([((), metric)])
 
-    def render(self, out: list[str]) -> None:
-        out.append(self.header)
+    def read(self) -> list[Any]:
+        """Every child's numbers now (the children followed first); `format` writes them."""
         if self.parent:
             metric = self.metric
             with metric._lock:
@@ -190,10 +202,16 @@ class _Family:
         elif self._turned():
             self._follow([((), self.metric)])
         if self.scalars is not None:
-            out.extend([f"{head}{_number(value.get())}\n" for head, value in self.scalars])
+            return [value.get() for value in self.scalars]
+        return [renderer.read() for renderer in self.renderers]
+
+    def format(self, values: list[Any], out: list[str]) -> None:
+        out.append(self.header)
+        if self.scalars is not None:
+            out.extend([f"{head}{_number(value)}\n" for head, value in zip(self.heads, values, strict=True)])
         else:
-            for renderer in self.renderers:
-                renderer.render(out)
+            for renderer, value in zip(self.renderers, values, strict=True):
+                renderer.format(value, out)
 
     def _turned(self) -> bool:
         """Whether a child rendered as a plain number has since been given a function (set_function)."""
@@ -211,7 +229,8 @@ class _Family:
         self.renderers = list(current.values())
         self.children = [renderer.child for renderer in self.renderers]
         scalar = all(isinstance(r, _Scalar) for r in self.renderers)
-        self.scalars = [(r.head, r.value) for r in self.renderers] if scalar else None
+        self.scalars = [r.value for r in self.renderers] if scalar else None
+        self.heads = [r.head for r in self.renderers] if scalar else []
 
 
 def _render_collected(metric: Any, out: list[str]) -> None:
@@ -233,14 +252,59 @@ def _render_collected(metric: Any, out: list[str]) -> None:
         out.extend(lines)
 
 
+class Publication:
+    """Values that one thread publishes together (a step's end: its global_step with the loss recorded in it),
+    read whole by the page renderer without ever making the publisher wait.
+
+        with publication:                    # the training thread: two integer stores, never blocks
+            global_step.set(index)
+        numbers = publication.read(read_all) # the metrics thread: read_all() again if a publication overlapped
+
+    A sequence lock: the version is odd while a publication is under way and changes with each one; a read
+    is kept only if the version was even before it and unchanged after it. Publications take microseconds,
+    a read of the registry's numbers tens of them, so a read is rarely repeated. One publishing thread only
+    (the stores are atomic under the GIL; two publishers could leave the version even mid-publication)."""
+
+    __slots__ = ("_version",)
+
+    #: A publication still under way after this long (a signal handler running inside it, on the training
+    #: thread) does not hold the page back: it is read as it stands.
+    PATIENCE_SECONDS = 0.5
+
+    def __init__(self) -> None:
+        self._version = 0
+
+    def __enter__(self) -> None:
+        self._version += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._version += 1
+
+    def read(self, read: Callable[[], T]) -> T:
+        """`read()`'s result from a moment no publication was under way."""
+        deadline = None
+        while True:
+            before = self._version
+            if not before & 1:
+                result = read()
+                if self._version == before:
+                    return result
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.PATIENCE_SECONDS
+            elif now > deadline:
+                return read()
+            time.sleep(0.0005 if before & 1 else 0)  # let the publisher finish (it needs the GIL)
+
+
 class PageRenderer:
     """Renders a registry (or any collector) in the Prometheus text format; thread-safe.
 
-    `consistent`: a lock the recording side holds while it publishes values that belong together (a
-    step's end: its global_step with the loss recorded in it). The registry's own metrics are read under
-    it, all at one moment; other collectors (probes, which may be slow) are collected before, outside it."""
+    `consistent`: the `Publication` the recording side publishes values that belong together under (a step's
+    end: its global_step with the loss recorded in it). The registry's own metrics are read through it, all at
+    one moment, and formatted after; other collectors (probes, which may be slow) are collected before it."""
 
-    def __init__(self, registry: CollectorRegistry | Any, consistent: threading.Lock | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | Any, consistent: Publication | None = None) -> None:
         self._registry = registry
         self._families: dict[Any, _Family] = {}
         self._lock = threading.Lock()
@@ -279,11 +343,15 @@ class PageRenderer:
                         _render_collected(metric, part)
                     continue
                 current[collector] = family
-            with self._consistent or contextlib.nullcontext():  # then every metric's value at one moment
-                for collector, part in zip(collectors, parts, strict=True):
-                    family = current.get(collector)
-                    if family is not None:
-                        family.render(part)
+            families = [(current[c], part) for c, part in zip(collectors, parts, strict=True) if c in current]
+
+            def numbers() -> list[list[Any]]:
+                return [family.read() for family, _ in families]
+
+            # Then every metric's numbers at one moment, formatted after.
+            read = numbers() if self._consistent is None else self._consistent.read(numbers)
+            for (family, part), values in zip(families, read, strict=True):
+                family.format(values, part)
             self._families = current  # unregistered metrics are forgotten
             for part in parts:
                 out.extend(part)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from rankscope._log import LogOnce
-from rankscope.serving.exposition import CONTENT_TYPE, CachedPage, PageRenderer
+from rankscope.serving.exposition import CONTENT_TYPE, CachedPage, PageRenderer, Publication
 from rankscope.serving.http_server import Request, Response
 from rankscope.serving.webconfig import BasicAuth, WebConfig
 from rankscope.serving.wsgi import Endpoint, serve_app, warn_if_exposed
@@ -126,12 +125,12 @@ def serve_metrics(
     page_cache_seconds: float = 1.0,
     timeout: float = READ_TIMEOUT,
     web: WebConfig | None = None,
-    consistent: threading.Lock | None = None,
+    consistent: Publication | None = None,
 ) -> MetricsServer:
     """Serve `registry` from background threads; port 0 picks a free port.
 
-    The page is cached for `page_cache_seconds` (0: rendered on every scrape). `consistent`: the lock under
-    which the recording side publishes values that belong together (see `PageRenderer`)."""
+    The page is cached for `page_cache_seconds` (0: rendered on every scrape). `consistent`: the publication
+    through which the recording side publishes values that belong together (see `PageRenderer`)."""
     web = web or WebConfig()
     page = CachedPage(PageRenderer(registry, consistent).render, page_cache_seconds)
     attempts = [port] if port == 0 else list(range(port, min(port + fallback, 65535) + 1))
