@@ -1,6 +1,7 @@
 """Benchmark 4: what Prometheus (or VictoriaMetrics) pays per rank, up to 16,384 simulated ranks.
 
-    .venv/bin/python -m benchmarks.scale                                # 512 and 4096 ranks, Prometheus, ~4 min
+    .venv/bin/python -m benchmarks.scale                                # 1024 and 4096 ranks, Prometheus, ~5 min
+    .venv/bin/python -m benchmarks.scale --page page.txt --page-age 3   # a page captured before, no training
     .venv/bin/python -m benchmarks.scale --baseline 81ac88b             # + that revision's page and rules, side by side
     .venv/bin/python -m benchmarks.scale --ranks 16384 --duration 60    # where a Llama-3-sized job stands
     .venv/bin/python -m benchmarks.scale --engine victoriametrics --ranks 4096
@@ -9,9 +10,11 @@ First one real rank's page is captured: the exporter, set up as
 trainer/rankscope_trainer/configs/demo.yaml sets it up, after training the reference model for
 a while (module norms, multimodal statistics and all), fetched from its
 /metrics endpoint as Prometheus would. Then, for each rank count, one
-`benchmarks.fakeranks` process serves that page as N ranks of one run (8 per
-node, `--ranks-per-page` ranks to a scrape target, which `honor_labels`
-keeps apart: see benchmarks/fakeranks.py for why), and the engine scrapes
+`benchmarks.fakeranks` process serves that page as N ranks (8 per node,
+`--ranks-per-page` ranks to a scrape target, which `honor_labels` keeps apart:
+see benchmarks/fakeranks.py for why), not all alike: a large run with a
+straggler and a page of ranks that goes down, a hung run and a paused run
+(fakeranks' scenarios; `--uniform` serves every rank alike), and the engine scrapes
 them for `--duration` seconds with the shipped scrape config and the shipped
 recording and alert rules, every 5 s:
 
@@ -23,6 +26,12 @@ recording and alert rules, every 5 s:
   scrape jobs and rule files (devstack/vmstack.py). Memory and CPU of the
   three processes; rule time from vmalert's `vmalert_iteration_duration_seconds`
   (median and max since start) and `vmalert_iteration_missed_total`.
+
+For each rank count it prints the issue-32 table: the rule groups' medians summed per
+evaluation (what the server's CPU pays: the groups run side by side, on the same cores),
+the costliest single rules (each rule's `evaluationTime` from the rules API, its mean over
+the window), missed evaluations, series per rank (the captured page), Prometheus memory per
+rank and the captured rank's GET /metrics median, each beside its budget.
 
 `--baseline REV` also measures revision REV's page and rule files (taken with
 `git archive`, its page captured by its own code) at each rank count up to
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -82,9 +92,21 @@ class Setup:
         return page_stats(self.page.read_bytes())[1]
 
 
+#: Budgets of issue 32 at 4096 ranks (and below).
+RULE_BUDGET_S = 1.0
+SERIES_BUDGET = 100
+MEMORY_BUDGET_MIB = 0.5
+
+
 def capture_page(steps: int = 50) -> tuple[bytes, float]:
     """One rank's /metrics page as its endpoint serves it, after `steps` steps of the reference model monitored
     as demo.yaml does, and the seconds those steps took (so a replay grows the counters at the same rate)."""
+    page, seconds, _ = capture(steps)
+    return page, seconds
+
+
+def capture(steps: int = 50, gets: int = 101) -> tuple[bytes, float, float]:
+    """capture_page's page and seconds, and the median seconds of `gets` GET /metrics of that live rank."""
     import torch  # here: the simulator's and the engines' side of this module need no torch
 
     from .workload import Workload, ensure_process_group, variants
@@ -97,8 +119,14 @@ def capture_page(steps: int = 50) -> tuple[bytes, float]:
         run = variant.prepare(Workload.build(steps))
         seconds = run.train()
         assert run.monitor is not None and run.monitor.port is not None
-        with urllib.request.urlopen(f"http://127.0.0.1:{run.monitor.port}/metrics", timeout=10) as answer:
-            return answer.read(), seconds
+        url = f"http://127.0.0.1:{run.monitor.port}/metrics"
+        took = []
+        for _ in range(gets):
+            started = time.perf_counter()
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                page = answer.read()
+            took.append(time.perf_counter() - started)
+        return page, seconds, statistics.median(took)
     finally:
         variant.close()
 
@@ -139,7 +167,8 @@ def _start_fakeranks(children: Children, setup: Setup, ranks: int, per_page: int
     fake = children.start(
         "fakeranks",
         [sys.executable, "-m", "benchmarks.fakeranks", "--template", str(setup.page), "--ranks", str(ranks),
-         "--ranks-per-page", str(per_page), "--base-port", str(base_port), "--age", f"{setup.age:.3f}"],
+         "--ranks-per-page", str(per_page), "--base-port", str(base_port), "--age", f"{setup.age:.3f}",
+         "--scenarios" if SCENARIOS[0] else "--no-scenarios"],
         log_path=workdir / "fakeranks.log",
         cwd=REPO,
     )  # fmt: skip
@@ -151,6 +180,12 @@ def _start_fakeranks(children: Children, setup: Setup, ranks: int, per_page: int
             return fake
         time.sleep(0.2)  # polling a log file for a readiness line
     raise RuntimeError(f"fake ranks not ready after 120 s:\n{fake.log_tail()}")
+
+
+#: Whether fakeranks serves its scenarios (main's --uniform turns them off).
+SCENARIOS = [True]
+#: Every simulated rank stored: counted over a range, since the down page's ranks go stale once it stops.
+_STORED = "count(last_over_time(rankscope_run_info[5m]))"
 
 
 def _instant(url: str, expr: str) -> list[dict]:
@@ -218,7 +253,7 @@ def measure_prometheus(setup: Setup, ranks: int, per_page: int, workdir: Path, d
         fake = _start_fakeranks(children, setup, ranks, per_page, ports.metrics, workdir)
         stack.start()
         url = stack.prometheus_url
-        _wait_value(url, "count(rankscope_run_info)", ranks, 300, "every simulated rank stored", fake)
+        _wait_value(url, _STORED, ranks, 300, "every simulated rank stored", fake)
         fake_cpu = _cpu_seconds(fake.pid)
         started = time.monotonic()
         rule_times = _hold(fake, duration, url)
@@ -282,7 +317,7 @@ def measure_victoria(setup: Setup, ranks: int, per_page: int, workdir: Path, dur
         fake = _start_fakeranks(children, setup, ranks, per_page, ports.metrics, workdir)
         stack.start()
         url = stack.query_url
-        _wait_value(url, "count(rankscope_run_info)", ranks, 300, "every simulated rank stored", fake)
+        _wait_value(url, _STORED, ranks, 300, "every simulated rank stored", fake)
         processes = {child.name: child.pid for child in children if child.name != "fakeranks"}
         before = {name: _cpu_seconds(pid) for name, pid in processes.items()} | {"sim": _cpu_seconds(fake.pid)}
         started = time.monotonic()
@@ -342,6 +377,25 @@ def _report(results: list[dict], top: int = 6) -> None:
     print("the engine), per rank = memory / ranks; CPU and sim CPU: cores used by the engine and by the simulator")
 
 
+def _budget_table(r: dict, get_median: float | None, top: int = 5) -> None:
+    """Issue 32's table for one measurement, each figure beside its budget."""
+    total = sum(r["rule_median"].values())
+    groups = ", ".join(f"{g.removeprefix('rankscope.')} {v:.2f}" for g, v in
+                       sorted(r["rule_median"].items(), key=lambda item: -item[1]))  # fmt: skip
+    costliest = ", ".join(f"`{name}` {seconds:.3f} s" for name, seconds in
+                          sorted(r["rule_times"].items(), key=lambda item: -item[1])[:top])  # fmt: skip
+    per_rank = r["rss_bytes"] / r["ranks"] / 2**20
+    get = f"{get_median * 1e3:.2f} ms" if get_median is not None else "not measured (--page)"
+    print(f"\n| {r['engine']}, {r['setup']}, at {r['ranks']} ranks | measured | budget |")
+    print("|---|---|---|")
+    print(f"| rule groups, medians summed per evaluation | {total:.2f} s ({groups}) | {RULE_BUDGET_S:g} s |")
+    print(f"| costliest single rules (mean evaluation time) | {costliest} | |")
+    print(f"| missed evaluations | {r['missed']:.0f} | 0 |")
+    print(f"| series per rank (the captured rank's page) | {r['series_per_rank']} | {SERIES_BUDGET} |")
+    print(f"| Prometheus memory per rank | {per_rank:.2f} MiB | {MEMORY_BUDGET_MIB:g} MiB |")
+    print(f"| GET /metrics median (the captured rank) | {get} | |")
+
+
 def _ratios(results: list[dict], baseline: str) -> None:
     """New/old for every (engine, ranks) measured with both setups."""
     print(f"\nratios to {baseline} (same engine, same rank count)")
@@ -366,7 +420,7 @@ def _rule_count(paths: list[Path]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[512, 4096], help="rank counts to simulate")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096], help="rank counts to simulate")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds the engine scrapes each rank count")
     parser.add_argument("--engine", choices=ENGINES, nargs="+", default=["prometheus"])
     parser.add_argument("--ranks-per-page", type=int, default=64, help="simulated ranks per scrape target")
@@ -374,7 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-max-ranks", type=int, default=4096, help="largest rank count for --baseline")
     parser.add_argument("--quick", action="store_true", help="4096 ranks only, 30 s")
     parser.add_argument("--keep", type=Path, default=None, help="keep the pages, configs and logs here")
+    parser.add_argument("--page", type=Path, help="a rank's page captured before (skips the training)")
+    parser.add_argument("--page-age", type=float, default=3.0, help="seconds of training --page's counters hold")
+    parser.add_argument("--uniform", action="store_true", help="every simulated rank alike (no scenarios)")
     args = parser.parse_args(argv)
+    SCENARIOS[0] = not args.uniform
     ranks, duration = ([4096], 30.0) if args.quick else (sorted(args.ranks), args.duration)
     if min(ranks) < 1 or duration < 15 or args.ranks_per_page < 1:
         parser.error("--ranks and --ranks-per-page must be >= 1 and --duration >= 15 (three scrape intervals)")
@@ -384,7 +442,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="rankscope-scale-") as tmp:
         workdir = args.keep.resolve() if args.keep else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        page, age = capture_page()
+        if args.page:
+            page, age, get_median = args.page.read_bytes(), args.page_age, None
+        else:
+            page, age, get_median = capture()
         (workdir / "page.txt").write_bytes(page)
         setups = [Setup("this tree", workdir / "page.txt", age, sorted(RULES_DIR.glob("*.yml")))]
         if args.baseline:
@@ -414,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
     _report(results)
+    for found in results:
+        _budget_table(found, get_median)
     if args.baseline:
         _ratios(results, setups[0].name)
     print(machine_line())
