@@ -20,7 +20,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockTimes", "interleaved_blocks", "lockstep", "machine_line", "paired_ratios", "percentile", "ratio_line"]
+__all__ = [
+    "BlockTimes",
+    "interleaved_blocks",
+    "lockstep",
+    "machine_line",
+    "median_interval",
+    "paired_ratios",
+    "percentile",
+    "ratio_line",
+]
 
 
 def machine_line() -> str:
@@ -119,3 +128,22 @@ def percentile(values: Sequence[float], q: float) -> float:
 def ratio_line(ratios: Sequence[float]) -> str:
     """`1.004 (0.981..1.032)`: median of paired ratios and their range."""
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics x(k) and x(n+1-k) with the
+    largest k for which the median lies between them with at least `confidence` (binomial, p = 1/2). With
+    fewer than 6 values no such k exists at 95 %: the whole range is returned."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        return math.nan, math.nan
+    below, k = 0.0, 0  # below: P(Binomial(n, 1/2) <= k - 1), the chance the median lies under x(k)
+    while k + 1 <= n // 2:
+        nxt = below + math.comb(n, k) / 2**n
+        if 1 - 2 * nxt < confidence:
+            break
+        below, k = nxt, k + 1
+    if k == 0:
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
