@@ -39,17 +39,17 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"({RUN_FINISHED_RECENT} == 0)",
         },
         # The rank-down alert's memory of a target (static targets carry no run_id or rank on `up`): the run and
-        # rank it served last, valued when it last did. Carried forward by reading its own value while the target
-        # serves nothing (a target that fails a scrape has its series marked stale), for the lookback; a target
-        # that serves another run is that run's. Equal to the newest sample of a range read over the lookback,
-        # with one instant read per target instead of every sample of the lookback (what a 30 minute range cost
-        # at thousands of ranks). What a range read would find and this does not: data from before a gap
-        # longer than the lookback delta in Prometheus's own evaluations (a restart of more than 5 minutes).
+        # rank it served last, valued when it last did. Carried forward by reading its own value (`or` keeps the
+        # value read now where the target serves that run and rank), for the lookback; a target that fails a
+        # scrape has its series marked stale, so only the carried value is left. A target that served an older
+        # run within the lookback keeps that one too, older: the alert takes the newest. Equal to the newest
+        # sample of a range read over the lookback, with one instant read per target instead of every sample of
+        # the lookback (what a 30 minute range cost at thousands of ranks). What a range read would find and
+        # this does not: data from before a gap longer than the lookback delta in Prometheus's own evaluations
+        # (a restart of more than 5 minutes).
         {
             "record": RANK_SEEN_AT,
-            "expr": f"max by (job, instance, {RANK}) (timestamp({info}))\n"
-            f"or\n"
-            f"(\n  {RANK_SEEN_AT} >= time() - {lookback}\n  unless on (job, instance)\n  {info}\n)",
+            "expr": f"max by (job, instance, {RANK}) (timestamp({info}))\nor\n{RANK_SEEN_AT} >= time() - {lookback}",
         },
         # Ranks whose last word within the lookback was "finished" (1): gone, not down. Carried the same way, and
         # dropped as soon as the rank serves anything else (a resumed rank serves 0 again).
