@@ -167,3 +167,21 @@ def test_the_cadence_checkpoints_every_fifteen_seconds_and_validates_every_thirt
 
     assert cadence(0.05) == (300, 600)
     assert cadence(10.0) == (10, 20)  # never below test.yaml's own cadence
+
+
+def test_a_faults_cost_runs_from_the_first_training_of_the_step_before_it_through_a_restart() -> None:
+    # Fault-free: steps 1-40, one a second. Loop on: a hang at step 20 (after step 19 ended at t=19) lasts 20 s;
+    # the restarted group resumes from step 15 at t=45 and trains 15-40 at one a second again.
+    schedule = build_schedule(("hang_data",), step_seconds=1.0, operator_delay=0, seed=1, warmup_steps=19)
+    (hang,) = schedule
+    ff = _arm("fault-free", [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, 41)]])
+    at = hang.at_step
+    records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, at)],
+               {"type": "fault", "kind": "hang", "name": f"hang-step{at}", "step": at, "time": at - 0.5},
+               {"type": "start", "time": at + 24.0},
+               *[_train(s, at + 25.0 + s - 15) for s in range(15, 41)]]  # fmt: skip
+    on = _arm("on", records, ended=at + 60.0)
+    (outcome,) = summarise(on, schedule, ff, None).faults
+    # Step at-1 first ended at at-1; step 40 last ended at at+50: 51 s for what took 41 - at in the fault-free run.
+    assert outcome.cost_seconds == pytest.approx((at + 50.0 - (at - 1)) - (40 - (at - 1)))
+    assert outcome.steps_retrained == at - 15

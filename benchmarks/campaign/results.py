@@ -209,8 +209,11 @@ def _outcome(
     retrained = redone.get(fault.id, 0)
     cost = None
     a, b = fault.at_step - 1, end_step - 1
-    if a in times and b in times and a in ff_times and b in ff_times:
-        cost = (times[b][0] - times[a][0]) - (ff_times[b][0] - ff_times[a][0])
+    # From the step before the fault as it first ended (a restart trains it again later: its last training
+    # would start the window after the fault) to the window's last step as it last ended.
+    before = min((r["time"] for r in arm.records if r.get("type") == "train" and r.get("step") == a), default=None)
+    if before is not None and b in times and a in ff_times and b in ff_times:
+        cost = (times[b][0] - before) - (ff_times[b][0] - ff_times[a][0])
     return FaultOutcome(
         id=fault.id, kind=kind.name, at_step=fault.at_step, rank=fault.rank, injected_at=start,
         alert=alert["alertname"] if alert else None, alert_rank=alert["rank"] if alert else "",
