@@ -146,8 +146,14 @@ def test_the_shard_count_sets_the_configs_and_bad_counts_fail_in_one_line(tmp_pa
     ]
 
 
-def test_promtool_accepts_every_generated_config_and_rule_file() -> None:
+def test_promtool_accepts_every_generated_config_and_rule_file_of_both_layouts() -> None:
+    """Plain Prometheus configs and rule groups: what a remote ruler (Mimir, Cortex, Thanos) loads too."""
     out = REPO / "prometheus" / "sharded"
     for config in [out / "global" / "prometheus.yml", *sorted((out / "shard").glob("prometheus-*.yml"))]:
         result = subprocess.run([binary("promtool"), "check", "config", str(config)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+    rule_files = [*sorted((REPO / "prometheus" / "rules").glob("*.yml")), *sorted(out.glob("*/rules/*.yml"))]
+    result = subprocess.run(
+        [binary("promtool"), "check", "rules", *map(str, rule_files)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
