@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the table's figures and the raw records here")
     parser.add_argument("--workdir", type=Path, help="keep every run's files here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    # A SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C: every arm's finally stops its trainer and servers,
+    # instead of leaving them running with nobody to stop them.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.operator_delay < 0:
         parser.error(f"--operator-delay must be >= 0 seconds, got {args.operator_delay}")
     arms = [name.strip() for name in args.arms.split(",") if name.strip()]

@@ -80,7 +80,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "collective"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
-    Kind("kill9", "rank 1 killed with SIGKILL", None, False, by_runner=True, detect_seconds=0,
+    # torchrun restarts the group within seconds; the killed rank's next process names it (rankscope.exits).
+    Kind("kill9", "rank 1 killed with SIGKILL", "RankscopeRankVanished", True, by_runner=True, detect_seconds=30,
          needs_operator=False, restarts=1, effect_seconds=60),
     Kind("preempt", "SIGTERM to the job, then started again", None, False, by_runner=True, detect_seconds=0,
          needs_operator=False, effect_seconds=60),

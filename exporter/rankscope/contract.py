@@ -221,6 +221,15 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("global_step", _G, "The global training step this rank last completed."),
     _m("last_step_timestamp_seconds", _G, "Unix time at which this rank last completed a step.", unit="seconds"),
     _m(
+        "previous_process_vanished_timestamp_seconds",
+        _G,
+        "Unix time at which this rank's process found that the previous process of the same rank and run (a "
+        "torchrun restart ago) ended without a word: killed (SIGKILL, the OOM killer) or crashed in native code "
+        "(rankscope.exits; needs the monitor's goodput_dir). Absent otherwise.",
+        unit="seconds",
+        source="exits",
+    ),
+    _m(
         "run_finished",
         _G,
         "1 once this rank has finished its run cleanly (the rank-down alert ignores ranks that said so); "

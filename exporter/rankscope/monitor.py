@@ -40,6 +40,7 @@ from rankscope.comm import CommTimer, events_seconds, interval_union
 from rankscope.config import MonitorConfig
 from rankscope.contract import PREFIX, MetricSpec
 from rankscope.deferred import DeferredValues, plain_tensor
+from rankscope.exits import ExitNote
 from rankscope.flops import FlopCounter, device_peak_flops
 from rankscope.goodput import PHASE_BUCKETS, GoodputCollector, GoodputFlusher, GoodputLedger, process_start_time
 from rankscope.guards import LossSpikeDetector, agree_on_skip, nonfinite_flag, overflow_flag
@@ -146,6 +147,14 @@ class Monitor:
         self._goodput_flusher: GoodputFlusher | None = None
         if self.config.goodput and self.identity.rank == 0:  # the job's accounting, kept once
             self._start_goodput()
+        # Every rank's note of how its process ends, in the run's state directory (rankscope.exits).
+        self._exit_note = (
+            ExitNote(self.config.goodput_dir, self.identity.rank, self.identity.run_id).begin()
+            if self.config.goodput_dir
+            else None
+        )
+        if self._exit_note is not None and self._exit_note.found_at is not None:
+            self._lazy("vanished", "previous_process_vanished_timestamp_seconds").set(self._exit_note.found_at)
         self._flops = FlopCounter(self.config.flops_per_step, self.config.count_flops)
         peak = self.config.peak_flops or device_peak_flops(self.device, self.config.compute_dtype)
         if peak:
@@ -181,6 +190,8 @@ class Monitor:
         """Mark the run as finished cleanly; call after the last step, and keep serving for at least
         one scrape interval so Prometheus sees it (the rank-down alert then ignores this rank)."""
         self.finished = True  # a SIGTERM from now on finds the loop gone, not hung (control.stop_deadline)
+        if self._exit_note is not None:
+            self._exit_note.end("finished")
         self._metric["run_finished"].set(1)
         self.flush()
         if self.goodput is not None:
@@ -190,6 +201,8 @@ class Monitor:
 
     def close(self) -> None:
         """Resolve what is pending, detach hooks and stop serving."""
+        if self._exit_note is not None:
+            self._exit_note.end("closed")
         self.flush()
         if self._modules is not None:
             self._modules.close()

@@ -24,6 +24,7 @@ from rankscope.control.actions import _short
 from rankscope.control.app import _REASONS, WSGIApp, _Answer, _authorize
 from rankscope.control.restart import RESTART_EXIT_STATUS
 from rankscope.control.stacks import InFlightReader, own_stacks
+from rankscope.exits import end_all
 
 __all__ = ["PEER_ROUTES", "create_peer_app"]
 
@@ -74,4 +75,5 @@ def _leave_soon(leave: Callable[[int], None]) -> None:
     for handler in logging.getLogger().handlers + logger.handlers:
         handler.flush()
     time.sleep(_EXIT_DELAY)
+    end_all("restart")  # os._exit runs no atexit hook: say so, or the next process calls this one vanished
     leave(RESTART_EXIT_STATUS)

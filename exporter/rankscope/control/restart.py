@@ -45,6 +45,7 @@ from rankscope.control.stacks import (
     write_stacks,
 )
 from rankscope.control.state import ActionQueue, ActionRecord, RunSnapshot
+from rankscope.exits import end_all
 
 __all__ = ["RESTART_EXIT_STATUS", "RestartLedger", "Restarter", "restarts_left"]
 
@@ -249,6 +250,7 @@ class Restarter:
             handler.flush()
         time.sleep(_GRACE_SECONDS)
         self._note_exit_step()
+        end_all("restart")  # os._exit runs no atexit hook: say so, or the next process calls this one vanished
         self._leave(RESTART_EXIT_STATUS)
 
     def _thaw(self) -> None:

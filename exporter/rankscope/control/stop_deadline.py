@@ -29,6 +29,7 @@ from typing import Any
 
 from rankscope.control.stacks import InFlightReader, fold, own_stacks, render, write_stacks
 from rankscope.control.stops import end_daemon_children
+from rankscope.exits import end_all
 
 __all__ = ["UNCHECKPOINTED_EXIT_STATUS", "StopDeadline"]
 
@@ -108,6 +109,7 @@ class StopDeadline:
             end_daemon_children()
         except Exception:
             logger.exception("rankscope: rank %d: ending the DataLoader workers failed", self._rank)
+        end_all("stop deadline")  # os._exit runs no atexit hook
         self._leave(UNCHECKPOINTED_EXIT_STATUS)
 
     def reason(self, answer: dict[str, Any]) -> str:

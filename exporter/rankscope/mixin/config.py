@@ -289,6 +289,10 @@ class Tunables:
     stall_severity: str = "page"
     rank_down_for: str = "2m"
     rank_down_severity: str = "page"
+    vanished_window: str = "10m"
+    """RankscopeRankVanished fires for this long after a rank's next process found its previous one gone
+    without a word."""
+    vanished_severity: str = "ticket"
     rank_down_lookback: str = "30m"
     """A down target counts as a rank of a live run if it served metrics within this range and its last
     `rankscope_run_finished` there was not 1."""

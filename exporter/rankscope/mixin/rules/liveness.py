@@ -51,11 +51,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "record": RANK_SEEN_AT,
             "expr": f"max by (job, instance, {RANK}) (timestamp({info}))\nor\n{RANK_SEEN_AT} >= time() - {lookback}",
         },
-        # Ranks whose last word within the lookback was "finished" (1): gone, not down. Carried the same way, and
-        # dropped as soon as the rank serves anything else (a resumed rank serves 0 again).
+        # Ranks whose last word within the lookback was "finished" (1): gone, not down. Valued the evaluation that
+        # read it (the lookback ends up to a scrape interval after a range read's would), carried the same way,
+        # and dropped as soon as the rank serves anything else (a resumed rank serves 0 again).
         {
             "record": RANK_FINISHED_AT,
-            "expr": f"max by ({RANK}) (timestamp({finished}) and {finished} == 1)\n"
+            "expr": f"max by ({RANK}) ({finished} == 1) * 0 + time()\n"
             f"or\n"
             f"(\n  {RANK_FINISHED_AT} >= time() - {lookback}\n  unless on (run_id, rank)\n  {finished}\n)",
         },
@@ -99,6 +100,21 @@ def alerts(t: Tunables) -> list[Alert]:
             f"Prometheus cannot scrape {RANK_TEXT} at {{{{ $labels.instance }}}} for {t.rank_down_for}. The process "
             "died or hangs so badly it cannot serve metrics; the other ranks will stall in their next collective.",
             ended_runs=True,  # a run whose ranks all vanished has ended: this is its alert
+        ),
+        Alert(
+            "RankscopeRankVanished",
+            # Set by the rank's next process when the one before it left no word of its ending (rankscope.exits):
+            # torchrun restarts the group in seconds, before RankscopeRankDown's `for`, and only this names the
+            # rank that died rather than those the agent stopped after it.
+            f"{metric_name('previous_process_vanished_timestamp_seconds')} > time() - "
+            f"{num(duration_seconds(t.vanished_window))}",
+            "0s",
+            t.vanished_severity,
+            "A rank's process died without a word and the group was restarted.",
+            f"The previous process of {RANK_TEXT} ended without a word (killed by a signal it did not handle: "
+            "SIGKILL, the OOM killer; or a crash in native code), and torchrun started the group again; it trains "
+            "on from the newest checkpoint. Look at the node's kernel log (dmesg: the OOM killer) and torchrun's "
+            f"output for the exit status. Resolves {t.vanished_window} after the restart.",
         ),
         Alert(
             "RankscopeRunPaused",
