@@ -139,6 +139,9 @@ def test_the_shard_count_sets_the_configs_and_bad_counts_fail_in_one_line(tmp_pa
     assert [r.get("modulus") for r in job["relabel_configs"]][0] == 3 and job["relabel_configs"][1]["regex"] == "2"
     federate = yaml.safe_load((out / "global" / "federate.yml").read_text())["scrape_configs"][0]
     assert len(federate["static_configs"][0]["targets"]) == 3 and federate["honor_labels"] is True
+    # A shard's recording arrives without a job label and must not get the federation job's.
+    (relabel,) = federate["metric_relabel_configs"]
+    assert (relabel["regex"], relabel["target_label"], relabel["replacement"]) == (federate["job_name"], "job", "")
     argv = [sys.executable, "-m", "rankscope.mixin.cli", "--layout", "sharded", "--shards", "0", "--out", str(tmp_path)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [

@@ -273,6 +273,11 @@ def federation_job(layout: ShardedLayout, shards: list[str], interval: str) -> d
         "scrape_interval": interval,
         "params": {"match[]": [str(s) for s in layout.federated]},
         "static_configs": [{"targets": shards}],
+        # A shard's recorded series has no job label, and the scrape would give it this job's: a label the
+        # same series does not carry on one server (an alert reading it would carry it too).
+        "metric_relabel_configs": [
+            {"source_labels": ["job"], "regex": FEDERATE_JOB, "target_label": "job", "replacement": ""}
+        ],
     }
 
 
