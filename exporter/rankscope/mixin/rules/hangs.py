@@ -84,6 +84,9 @@ def records(t: Tunables) -> list[dict[str, str]]:
     last_step = metric_name("last_step_timestamp_seconds")
     excuses = [*_timed_excuses(t, started), f"({_phase('paused')})", f"({metric_name('paused')} > 0)"]
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
+    # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
+    # cannot fire).
+    maybe_hung = f"({LAST_STEP_MAX} > 0 < time() - {num(t.hang_floor_seconds)})"
     return [
         {
             # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
@@ -131,30 +134,27 @@ def records(t: Tunables) -> list[dict[str, str]]:
         {
             # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring). Only
             # for a run without a step for longer than the floor, below which the alert cannot fire: a healthy
-            # run, whose ranks are in and out of collectives at every scrape, records none.
+            # run, whose ranks are in and out of collectives at every scrape, records none. Each branch joins
+            # with those few runs before it labels anything.
             "record": HANG_SUSPECTS,
-            "expr": f"(\n"
-            f"  label_replace(\n"
-            f"    {phase} != {_COLLECTIVE} and on ({RUN}) {in_collective},\n"
-            f'    "suspect", "outside_collective", "", ""\n'
-            f"  )\n"
-            f"  or\n"
-            f"  label_replace(\n"
-            f"    ({phase} == {_COLLECTIVE})\n"
-            f"    and on ({RANK})\n"
-            f"    ({_counts()} < on ({RUN}) group_left () {COLLECTIVES_MAX}),\n"
-            f'    "suspect", "lagging_collectives", "", ""\n'
-            f"  )\n"
-            f"  or\n"
-            f"  label_replace(\n"
-            f"    max by ({RUN}) ({in_collective}) * 0 + {_COLLECTIVE}\n"
-            f"    and on ({RUN}) (sum by ({RUN}) ({in_collective}) == sum by ({RUN}) ({PHASE_RANKS}))\n"
-            f"    and on ({RUN}) ({COLLECTIVES_MIN} == {COLLECTIVES_MAX}),\n"
-            f'    "suspect", "every_rank_in_collective", "", ""\n'
-            f"  )\n"
+            "expr": f"label_replace(\n"
+            f"  {phase} != {_COLLECTIVE} and on ({RUN}) ({in_collective} and on ({RUN}) {maybe_hung}),\n"
+            f'  "suspect", "outside_collective", "", ""\n'
             f")\n"
-            f"and on ({RUN})\n"
-            f"({LAST_STEP_MAX} > 0 < time() - {num(t.hang_floor_seconds)})",
+            f"or\n"
+            f"label_replace(\n"
+            f"  ({phase} == {_COLLECTIVE})\n"
+            f"  and on ({RANK})\n"
+            f"  ({_counts()} < on ({RUN}) group_left () ({COLLECTIVES_MAX} and on ({RUN}) {maybe_hung})),\n"
+            f'  "suspect", "lagging_collectives", "", ""\n'
+            f")\n"
+            f"or\n"
+            f"label_replace(\n"
+            f"  max by ({RUN}) ({in_collective} and on ({RUN}) {maybe_hung}) * 0 + {_COLLECTIVE}\n"
+            f"  and on ({RUN}) (sum by ({RUN}) ({in_collective}) == sum by ({RUN}) ({PHASE_RANKS}))\n"
+            f"  and on ({RUN}) ({COLLECTIVES_MIN} == {COLLECTIVES_MAX}),\n"
+            f'  "suspect", "every_rank_in_collective", "", ""\n'
+            f")",
         },
     ]
 
