@@ -118,6 +118,16 @@ def check_port(name: str, port: int) -> None:
     check_range(name, port, ge=0, le=65535, integer=True)
 
 
+#: Settings that were replaced: a config written for an earlier release says what to write now, not just
+#: "unknown".
+REPLACED_SETTINGS = {
+    "hang_seconds": (
+        "{section}.hang_floor_seconds and {section}.hang_step_multiple (a hang is no step for longer than "
+        "max(floor, multiple x the recent step time): docs/hangs.md)"
+    ),
+}
+
+
 def config_from_mapping(cls: type, data: dict[str, Any] | None, section: str) -> Any:
     """Build a config dataclass from a mapping (e.g. a YAML section), naming any bad key.
 
@@ -126,6 +136,9 @@ def config_from_mapping(cls: type, data: dict[str, Any] | None, section: str) ->
     data = dict(data or {})
     known = {f.name: f for f in fields(cls)}
     for key in data:
+        if key not in known and key in REPLACED_SETTINGS:
+            now = REPLACED_SETTINGS[key].format(section=section)
+            raise ValueError(f"{section}.{key} was replaced by {now}")
         if key not in known:
             raise ValueError(f"unknown setting {section}.{key}; known: {', '.join(sorted(known))}")
     kwargs: dict[str, Any] = {}

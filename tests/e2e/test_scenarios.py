@@ -287,7 +287,7 @@ def _timed(line: str, text: str) -> bool:
 CRASH_AT = 25  # checkpoints every 10 steps (test.yaml): the restart resumes from step 20
 
 
-def test_a_crashed_rank_fires_rank_down_and_the_job_resumes_from_its_last_checkpoint(stack) -> None:
+def test_a_crashed_rank_fires_rank_down_and_rank_vanished_and_the_job_resumes_from_its_last_checkpoint(stack) -> None:
     st = stack("crash")
     job = st.start_trainer(
         [f"faults.crash.at_step={CRASH_AT}", "faults.crash.rank=1"],
@@ -304,6 +304,10 @@ def test_a_crashed_rank_fires_rank_down_and_the_job_resumes_from_its_last_checkp
         st.diagnose,
     )
     st.wait_for_step(CRASH_AT + 10, timeout=180)  # the restarted group, past the step that crashed
+    # The crash left no word of its ending (os._exit, as a segfault or the OOM killer): rank 1's next process
+    # says so, and only rank 1 is named (rank 0 was stopped by torchrun, and said so).
+    st.wait_for_firing("RankscopeRankVanished", timeout=60, rank="1")
+    assert [a["labels"]["rank"] for a in st.alerts("RankscopeRankVanished")] == ["1"]
     resumes = job.records("resume")
     assert [r["step"] for r in resumes] == [20], resumes
     starts = [i for i, r in enumerate(job.records()) if r["type"] == "start"]
