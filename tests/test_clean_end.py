@@ -1,9 +1,11 @@
 """A clean end pages nobody: every rank's last scrape says `rankscope_run_finished 1` (issue 33).
 
 The shipped Prometheus configuration and rules at the shipped scrape and evaluation intervals, the
-smallest example (examples/minimal_ddp.py) on 2 ranks under torchrun, stopped over its control endpoint.
-The rank-down alert excuses a rank whose last word was run_finished 1; a rank whose page closed before a
-scrape saw that is a crash to Prometheus, and RankscopeRankDown goes pending at the next evaluation.
+smallest example (examples/minimal_ddp.py) and the FSDP2 example (examples/fsdp2_loop.py: sharded
+checkpoints, the collective view instead of a comm hook) on 2 ranks under torchrun, stopped over the
+control endpoint. The rank-down alert excuses a rank whose last word was run_finished 1; a rank whose
+page closed before a scrape saw that is a crash to Prometheus, and RankscopeRankDown goes pending at the
+next evaluation. No other alert may fire during the run or after its end either.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ def _liveness_evaluated_at(stack: MonitoringStack) -> float:
     raise AssertionError("no loaded rule group holds RankscopeRankDown")
 
 
-def test_a_clean_end_leaves_every_rank_finished_and_raises_no_rank_down(tmp_path):
+def _command(example: str, tmp_path, metrics: int, control: int, linger: float) -> list[str]:
+    ports = ["--metrics-port", str(metrics), "--control-port", str(control), "--sleep", "0.01", "--linger", str(linger)]
+    if example == "minimal_ddp":
+        return ["examples/minimal_ddp.py", *ports, "--steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    return ["examples/fsdp2_loop.py", *ports, "--max-steps", "100000", "--out", str(tmp_path / "out")]
+
+
+@pytest.mark.parametrize("example", ["minimal_ddp", "fsdp2_loop"])
+def test_a_clean_end_leaves_every_rank_finished_and_raises_no_alert(tmp_path, example):
     scrape, evaluation = (seconds(value) for value in shipped_interval())
     metrics = free_port_block(2)
     job = ControlClient(tmp_path, free_port(), RUN_ID)
@@ -42,12 +52,10 @@ def test_a_clean_end_leaves_every_rank_finished_and_raises_no_rank_down(tmp_path
     with stack:
         # The example's own linger, one and a half scrape intervals: one scrape of every rank falls in it.
         job.start(
-            ["examples/minimal_ddp.py", "--metrics-port", str(metrics), "--control-port", str(job.control_port),
-             "--steps", "100000", "--sleep", "0.01", "--checkpoint-dir", str(tmp_path / "checkpoints"),
-             "--linger", str(1.5 * scrape)],
+            _command(example, tmp_path, metrics, job.control_port, 1.5 * scrape),
             free_port(),
             env={"RANKSCOPE_CONTROL_TOKEN": job.token},
-        )  # fmt: skip
+        )
         try:
             job.wait_ready()  # rank 0's control endpoint answers (it starts after the metrics pages)
             training = f'rankscope_run_finished{{run_id="{RUN_ID}"}} == 0'
@@ -72,3 +80,5 @@ def test_a_clean_end_leaves_every_rank_finished_and_raises_no_rank_down(tmp_path
         assert last == {"0": 1.0, "1": 1.0}, f"each rank's last scraped run_finished: {last}\n{diagnose()}"
         raised = stack.query(f'count_over_time(ALERTS{{alertname="RankscopeRankDown"}}[{span}])')
         assert raised == [], f"a clean end raised RankscopeRankDown: {raised}\n{diagnose()}"
+        fired = stack.query(f'count_over_time(ALERTS{{alertstate="firing"}}[{span}])')
+        assert fired == [], f"an alert fired during a clean run: {fired}\n{diagnose()}"
