@@ -46,7 +46,7 @@ from rankscope.mixin.promql import (
 from rankscope.mixin.rules import Alert
 
 _COLLECTIVE = PHASES.index("collective")
-_CHECKPOINT, _VALIDATION = PHASES.index("checkpoint"), PHASES.index("validation")
+_CHECKPOINT, _VALIDATION, _PAUSED = PHASES.index("checkpoint"), PHASES.index("validation"), PHASES.index("paused")
 
 
 def _phase(name: str) -> str:
@@ -62,15 +62,21 @@ def _counts() -> str:
     return f"sum by ({RANK}) ({metric_name('collectives_total')})"
 
 
-def _timed_excuses(t: Tunables, started: str) -> list[str]:
-    """Checkpoint and validation within their limits: one read of the phase when the limits are equal (the
-    phases are neighbours), else one each."""
-    assert _VALIDATION == _CHECKPOINT + 1, "the excused phases must be neighbours in rankscope.contract.PHASES"
+def _phase_excuses(t: Tunables, started: str) -> list[str]:
+    """Ranks in a phase that excuses their run: checkpoint and validation within their limits, and paused.
+
+    With equal limits (the default) one read of the phase and one of its start serve all three: a rank's age in
+    its phase times 1 for a checkpoint or a validation, times 0 when paused (0 is below any limit). The
+    phases are neighbours in rankscope.contract.PHASES (checked here)."""
+    assert _VALIDATION == _CHECKPOINT + 1 and _PAUSED == _VALIDATION + 1, "the excused phases must be neighbours"
+    phase = metric_name("phase")
     if t.hang_checkpoint_limit_seconds == t.hang_validation_limit_seconds:
-        return [_within(started, t.hang_checkpoint_limit_seconds, f">= {_CHECKPOINT} <= {_VALIDATION}")]
+        factor = f"clamp_max({_PAUSED} - ({phase} >= {_CHECKPOINT}), 1)"
+        return [f"((time() - {started}) * {factor} < {num(t.hang_checkpoint_limit_seconds)})"]
     return [
         _within(started, t.hang_checkpoint_limit_seconds, f"== {_CHECKPOINT}"),
         _within(started, t.hang_validation_limit_seconds, f"== {_VALIDATION}"),
+        f"({_phase('paused')})",
     ]
 
 
@@ -82,7 +88,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
     started = metric_name("phase_started_timestamp_seconds")
     step = metric_name("step_duration_seconds")
     last_step = metric_name("last_step_timestamp_seconds")
-    excuses = [*_timed_excuses(t, started), f"({_phase('paused')})", f"({metric_name('paused')} > 0)"]
+    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')} > 0)"]
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).
