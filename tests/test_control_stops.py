@@ -112,3 +112,26 @@ def test_a_forked_child_does_not_speak_for_its_parent():
         signal.set_wakeup_fd(before)
         earlier_reader.close()
         earlier.close()
+
+
+def test_a_watcher_closed_off_the_main_thread_keeps_the_wakeup_fd_it_cannot_unset_open() -> None:
+    """Off the main thread the C-level wakeup fd cannot be put back: closing its socket would free the fd number
+    for the next file opened, and the next signal would write a byte into that file."""
+    import os
+    import signal
+    import threading
+
+    from rankscope.control.stops import SignalWatcher
+
+    previous = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(previous)
+    watcher = SignalWatcher(signal.SIGUSR2, lambda: None)
+    closer = threading.Thread(target=watcher.close)
+    closer.start()
+    closer.join(10)
+    current = signal.set_wakeup_fd(previous)  # on the main thread: put back what was there before the watcher
+    try:
+        assert current >= 0 and current != previous
+        os.fstat(current)  # still open: a signal's byte lands in the watcher's own socket, not a stranger's file
+    finally:
+        watcher.close()  # on the main thread now: closes what it kept open

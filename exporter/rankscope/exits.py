@@ -1,13 +1,13 @@
 """Which rank's previous process ended without a word (SIGKILL, the OOM killer, a crash in native code).
 
-torchrun restarts the whole group when one process dies, within seconds: before any scrape-based alert can
+torchrun restarts the whole group when one process dies, within seconds: before a scrape can
 tell the rank that died from the ones the agent stopped after it. The agent knows, but only its own log says.
 So each rank keeps a small note in the run's state directory (beside the checkpoints, where the goodput
 ledger is): "running" when its process starts, "ended: <how>" when it ends in any way Python sees (a clean
 finish, a close, an exception reaching the interpreter's exit, a signal's stop, a control restart, a stop
 deadline). A process killed outright writes nothing, so the next process of the same rank finds the note
 still saying "running", and says so: `rankscope_previous_process_vanished_timestamp_seconds` (the time it
-found out), which `RankscopeRankVanished` reads.
+found out), which the rule pack turns into an alert naming the rank.
 
 One file per rank (`rankscope-exits/rank-<N>.json`), written atomically (a rename), so ranks never share a
 file. With a node-local state directory, a rank that comes back on another node finds no note and says

@@ -141,18 +141,24 @@ class SignalWatcher:
                 threading.Thread(target=self._react, name="rankscope-stop-deadline", daemon=True).start()
 
     def close(self) -> None:
-        """Put back the wakeup fd found at start (where ours is still the one set) and end the thread."""
-        if self._closed.is_set():
+        """End the thread, put back the wakeup fd found at start (where ours is still the one set) and close the
+        sockets. Off the main thread the fd cannot be put back: the sockets then stay open (closing the one the C
+        handler still writes to would hand its number to the next file opened, and a signal would write into
+        that file) until a close on the main thread, or the process's end."""
+        if not self._closed.is_set():
+            self._closed.set()
+            _watching.discard(self._writer.fileno())
+            with contextlib.suppress(OSError):
+                self._writer.send(b"\0")
+            self._thread.join(timeout=1)
+        if self._writer.fileno() < 0:  # closed already
             return
-        self._closed.set()
-        _watching.discard(self._writer.fileno())
-        with contextlib.suppress(ValueError):  # not the main thread: the fd stays set, the socket closes
+        try:
             current = signal.set_wakeup_fd(self._previous)
-            if current != self._writer.fileno():
-                signal.set_wakeup_fd(current)  # someone set theirs after ours: keep it
-        with contextlib.suppress(OSError):
-            self._writer.send(b"\0")
-        self._thread.join(timeout=1)
+        except ValueError:  # not the main thread
+            return
+        if current != self._writer.fileno():
+            signal.set_wakeup_fd(current)  # someone set theirs after ours: keep it
         self._reader.close()
         self._writer.close()
 
