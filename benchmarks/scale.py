@@ -273,10 +273,18 @@ def measure_prometheus(setup: Setup, ranks: int, per_page: int, workdir: Path, d
             "missed": _value(url, "sum(prometheus_rule_group_iterations_missed_total)") or 0.0,
             "sim_cores": fake_cores,
             "rule_times": rule_times,
+            "alerts": _alerts(url),
         }
     finally:
         stack.close()
         children.stop_all({})
+
+
+def _alerts(url: str) -> list[str]:
+    """The alerts pending or firing at the end of the window (what the simulator's scenarios raised)."""
+    found = _instant(url, 'count by (alertname, alertstate, run_id) (ALERTS{alertname=~"Rankscope.+"})')
+    return sorted(f"{r['metric']['alertname']} {r['metric'].get('alertstate', '')} {r['metric'].get('run_id', '')} "
+                  f"x{float(r['value'][1]):.0f}" for r in found)  # fmt: skip
 
 
 def _own_metric(url: str, name: str, **labels: str) -> float:
@@ -394,6 +402,8 @@ def _budget_table(r: dict, get_median: float | None, top: int = 5) -> None:
     print(f"| series per rank (the captured rank's page) | {r['series_per_rank']} | {SERIES_BUDGET} |")
     print(f"| Prometheus memory per rank | {per_rank:.2f} MiB | {MEMORY_BUDGET_MIB:g} MiB |")
     print(f"| GET /metrics median (the captured rank) | {get} | |")
+    if r.get("alerts"):
+        print(f"alerts pending or firing at the end (alert, state, run, count): {'; '.join(r['alerts'])}")
 
 
 def _ratios(results: list[dict], baseline: str) -> None:
