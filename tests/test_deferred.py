@@ -14,6 +14,7 @@ def test_flush_keeps_order_and_splits_values_back_per_item():
     seen = []
     deferred = DeferredValues()
     deferred._items.append((torch.tensor([1.0, 2.0]), lambda v: seen.append(("a", v))))  # as if on a device
+    deferred._tensors += 1  # as add() counts a queued device tensor
     deferred.add(torch.tensor(3.0), lambda v: seen.append(("b", v)))  # queued behind, keeps order
     assert seen == []
     deferred.flush()

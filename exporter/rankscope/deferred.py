@@ -47,6 +47,7 @@ class DeferredValues:
 
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor | list[float], Sink]] = []
+        self._tensors = 0  # of the items, tensors waiting for the flush (the rest are held host values)
         self.holding = False
         """While True (inside a step), host values are read at once but their sinks wait for `release`."""
 
@@ -64,7 +65,7 @@ class DeferredValues:
         if type(value) is not torch.Tensor:
             value = plain_tensor(value)
         # Few calls on this path: it runs several times per step on the training thread.
-        if value.is_cpu and not self._tensor_queued():
+        if value.is_cpu and not self._tensors:
             dim = value.dim()  # its value now; a scalar (the loss, a norm) without a reshape, a tensor op
             values = [value.item()] if dim == 0 else value.tolist() if dim == 1 else value.reshape(-1).tolist()
             if self.holding:
@@ -75,27 +76,27 @@ class DeferredValues:
             # Keeps order with already-queued device values: a CPU value behind a
             # queued CUDA value waits for the same flush.
             self._items.append((value.detach(), sink))
-
-    def _tensor_queued(self) -> bool:
-        """A tensor waits for the flush (a device value, or a CPU one behind it). Queued tensors are older than
-        the step's held values, so the scan stops at the first item when one waits, else reads a step's few."""
-        return any(isinstance(value, torch.Tensor) for value, _ in self._items)
+            self._tensors += 1
 
     def release(self) -> None:
         """Stop holding and hand the host values held to their sinks, in order; tensors stay queued for the
         flush (no device transfer here)."""
         self.holding = False
-        ready = [(value, sink) for value, sink in self._items if not isinstance(value, torch.Tensor)]
-        if ready:
-            self._items = [(value, sink) for value, sink in self._items if isinstance(value, torch.Tensor)]
-            for values, sink in ready:
-                sink(values)
+        if not self._tensors:  # only host values (every CPU step): all of them, without sorting them out
+            ready, self._items = self._items, []
+        else:
+            ready = [(value, sink) for value, sink in self._items if not isinstance(value, torch.Tensor)]
+            if ready:
+                self._items = [(value, sink) for value, sink in self._items if isinstance(value, torch.Tensor)]
+        for values, sink in ready:
+            sink(values)  # type: ignore[arg-type]
 
     def flush(self) -> None:
         """Resolve everything queued: one device-to-host copy per device."""
         if not self._items:
             return
         items, self._items = self._items, []
+        self._tensors = 0
         by_device: dict[torch.device, list[int]] = {}
         resolved: list[list[float]] = [[] for _ in items]
         for index, (value, _) in enumerate(items):
