@@ -1,6 +1,6 @@
 """Benchmark 1: what monitoring costs per training step of the reference trainer.
 
-    .venv/bin/python -m benchmarks.overhead            # 16 trials x 50 steps of each variant, 7-12 min (load)
+    .venv/bin/python -m benchmarks.overhead            # 16 trials x 50 steps of each variant, 3-6 min (load)
     .venv/bin/python -m benchmarks.overhead --quick    # 3 trials, 1-3 min
     .venv/bin/python -m benchmarks.overhead --variants none "rankscope default"
 
