@@ -225,3 +225,22 @@ def test_a_state_change_makes_the_next_request_render_within_the_cache_period():
     assert page.get() == b"page 2" and page.get() == b"page 2"
     now[0] = 1.0
     assert page.peek() == b"page 2"
+
+
+def test_a_publication_that_never_ends_does_not_hold_the_page_back():
+    """A publisher stopped inside a publication (a signal handler running on the training thread) must not
+    stop the page: after the renderer's patience it reads the values as they stand."""
+    import threading
+
+    from rankscope.serving.exposition import Publication
+    from support import wait_for
+
+    registry = CollectorRegistry()
+    Gauge("level", "a gauge", registry=registry).set(1.5)
+    publication = Publication()
+    publication.__enter__()  # entered, never left
+    pages: list[bytes] = []
+    render = threading.Thread(target=lambda: pages.append(PageRenderer(registry, publication).render()), daemon=True)
+    render.start()
+    wait_for(lambda: pages, 30, "the page rendered while a publication is stuck")
+    assert "level 1.5" in pages[0].decode()
