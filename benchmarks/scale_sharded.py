@@ -13,7 +13,8 @@ own, as benchmarks.scale measures one server (the same captured page, simulator 
   federation would bring it, and nothing else: it scrapes the simulated ranks itself with a
   ``metric_relabel_configs`` filter keeping exactly the federated selectors (one bucket, local rank 0), plus
   the inputs of the shard rules, which it evaluates too so the per-rank reductions exist; their inputs and
-  their group are left out of the figures. Series per rank (federated series / ranks), head series, memory,
+  their group are left out of the figures. The simulator serves only the metrics kept (the shards parse
+  the whole pages, not the global server). Series per rank (federated series / ranks), head series, memory,
   CPU, and the global rule groups' evaluation time (summed medians: the goal is under 1 s per evaluation).
 
 The simulated page is one real rank's page (benchmarks.scale.capture_page); rank 0's job-wide series are
@@ -45,7 +46,7 @@ from .fakeranks import pages_needed
 from .scale import Setup, _hold, _instant, _start_fakeranks, _value, _wait_value, capture_page
 from .timing import machine_line
 
-__all__ = ["keep_only", "main", "measure_global", "measure_shard"]
+__all__ = ["keep_only", "main", "measure_global", "measure_shard", "page_for"]
 
 RULE_BUDGET_S = 1.0
 SERIES_PER_RANK_GOAL = 25
@@ -75,6 +76,22 @@ def keep_only(kept: list[Selector]) -> dict[str, Any]:
         alternatives.append(";".join(parts))
     return {"source_labels": ["__name__", *labels], "separator": ";", "regex": "|".join(alternatives),
             "action": "keep"}  # fmt: skip
+
+
+def page_for(page: bytes, kept: list[Selector]) -> bytes:
+    """The lines of a /metrics page whose metric `kept` names (matchers aside: relabeling applies them), with
+    their families' HELP and TYPE lines: what a simulator serving only the federated series needs."""
+    names = {s.name for s in kept}
+    families = names | {n.removesuffix(end) for n in names for end in ("_bucket", "_sum", "_count", "_total")}
+    lines = []
+    for line in page.decode().splitlines():
+        if line.startswith("# "):
+            keep = len(line.split()) > 2 and line.split()[2] in families
+        else:
+            keep = line.split("{", 1)[0].split(" ", 1)[0] in names
+        if keep:
+            lines.append(line)
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _count(url: str, chosen: list[Selector]) -> float:
@@ -175,6 +192,12 @@ def measure_global(setup: Setup, ranks: int, shards: int, per_page: int, workdir
     keep = keep_only(sorted(set(raw) | set(shard_inputs)))
     rule_files = [*sorted((layout_dir / "global" / "rules").glob("*.yml")),
                   *sorted((layout_dir / "shard" / "rules").glob("*.yml"))]  # fmt: skip
+    # The simulator serves only those metrics (every one of their series; the relabeling keeps the matched):
+    # parsing the whole page of every rank is the shards' load, not the global server's.
+    workdir.mkdir(parents=True, exist_ok=True)
+    served = workdir / "page-federated.txt"
+    served.write_bytes(page_for(setup.page.read_bytes(), sorted(set(raw) | set(shard_inputs))))
+    setup = Setup(setup.name, served, setup.age, setup.rules)
     children, stack, fake, url = _server(setup, ranks, per_page, workdir / "global", rule_files, keep)
     try:
         rule_times, window, _ = _hold_and_read(fake, url, duration)
