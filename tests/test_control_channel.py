@@ -391,6 +391,33 @@ def test_a_rollback_from_an_alert_goes_back_to_the_step_at_its_starts_at(make_ch
     assert loop.requests[-1].before_step == 15 and loop.requests[-1].incident_step == 15
 
 
+def test_a_rollback_from_a_smoothed_alert_goes_back_to_before_its_signal_began_to_build(make_channel):
+    """A smoothed signal crosses its line after the fault began (a loss median over 2m: a minute later): the
+    alert's incident_lookback_seconds puts the incident that much before its startsAt, so the checkpoint rolled
+    back to was written before the fault, not after it (with the fault's damage in it)."""
+    channel = make_channel()
+    loop = RecoveringLoop()
+    for step in range(1, 31):
+        channel.at_step_boundary(step, loop)
+    at = {step: when for when, step in channel._history}
+    request = ActionRequest("rollback", "alert", "alert:RankscopeLossDiverging", key="f@t", started_at=at[25] + 1e-6,
+                            params={"incident_lookback_seconds": at[25] - at[12]})  # fmt: skip
+    channel.queue.submit([request])
+    channel.at_step_boundary(31, loop)
+    assert loop.requests[-1].before_step == 12 and loop.requests[-1].incident_step == 12
+
+
+def test_an_alerts_incident_lookback_is_a_rollback_parameter_from_its_annotations():
+    from rankscope.control.alerts import parse_alert_payload
+
+    body = {"version": "4", "status": "firing", "alerts": [{
+        "status": "firing", "labels": {"alertname": "RankscopeLossDiverging", "action": "rollback"},
+        "annotations": {"incident_lookback_seconds": "120"}, "startsAt": "2026-12-04T09:00:00Z",
+        "fingerprint": "f"}]}  # fmt: skip
+    (request,) = parse_alert_payload(body).requests
+    assert request.params == {"incident_lookback_seconds": 120.0}
+
+
 def test_a_rollback_the_loop_did_not_follow_is_overridden(make_channel):
     channel = make_channel()
     action_id = post(channel, "rollback")

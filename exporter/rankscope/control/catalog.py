@@ -109,6 +109,14 @@ SKIP_BATCHES = Parameter(
     integer=True,
     exclusive=False,
 )
+INCIDENT_LOOKBACK = Parameter(
+    "incident_lookback_seconds",
+    "the incident began this many seconds before the alert's startsAt (a smoothed signal crosses its line after "
+    "the fault began): roll back to before then (an alert's annotation; ignored with before_step)",
+    minimum=0,
+    maximum=86400,
+    exclusive=False,
+)
 ROLLBACK_LR_FACTOR = Parameter(
     "lr_factor",
     "after rolling back, also multiply every learning rate by this (default: unchanged)",
@@ -138,7 +146,7 @@ CATALOG: tuple[ActionSpec, ...] = (
         "rollback",
         "rollback",
         "load the newest checkpoint before the incident on every rank, then skip the data that followed it",
-        parameters=(BEFORE_STEP, SKIP_BATCHES, ROLLBACK_LR_FACTOR),
+        parameters=(BEFORE_STEP, SKIP_BATCHES, INCIDENT_LOOKBACK, ROLLBACK_LR_FACTOR),
         cooldown_steps="rollback_cooldown_steps",
         cooldown_seconds="rollback_cooldown_seconds",
         cap="rollback_max",

@@ -524,12 +524,13 @@ class ControlChannel:
         return order
 
     def _rollback_request(self, record: ActionRecord, params: dict[str, Any], step: int) -> RollbackRequest:
-        """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt
-        (the incident began then, before the alert's `for` elapsed); else the current step."""
+        """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt (the
+        incident began then, before the alert's `for` elapsed), less its incident_lookback_seconds (a smoothed
+        signal went pending that long after the fault); else the current step."""
         if params.get("before_step") is not None:
             incident = int(params["before_step"])
         elif record.started_at is not None:
-            incident = self._step_at(record.started_at, step)
+            incident = self._step_at(record.started_at - float(params.get("incident_lookback_seconds") or 0), step)
         else:
             incident = step
         skip = params.get("skip_batches")

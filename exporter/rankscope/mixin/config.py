@@ -292,6 +292,8 @@ class Tunables:
     vanished_window: str = "10m"
     """RankscopeRankVanished fires for this long after a rank's next process found its previous one gone
     without a word."""
+    vanished_for: str = "0s"
+    """An event: the next process found out, nothing to wait for."""
     vanished_severity: str = "ticket"
     rank_down_lookback: str = "30m"
     """A down target counts as a rank of a live run if it served metrics within this range and its last

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -54,6 +54,8 @@ class Alert:
     """Whether it may fire for a run that has ended (RUN_ENDED: it finished, or no rank of it serves metrics):
     only the alert for a rank that vanished does. Every other alert of an ended run resolves, and old runs in
     the TSDB (a Prometheus restarted over its data) raise nothing."""
+    parameters: dict[str, str] = field(default_factory=dict)
+    """Action parameters for the trainer, as annotations (rankscope.control.alerts reads them)."""
 
     def to_rule(self, t: Tunables) -> dict[str, Any]:
         expr = self.expr
@@ -70,6 +72,7 @@ class Alert:
             "summary": self.summary,
             "description": self.description,
             "runbook_url": t.runbook_url.replace("{alert}", self.name.lower()),
+            **self.parameters,
         }
         return rule
 

@@ -108,7 +108,7 @@ def alerts(t: Tunables) -> list[Alert]:
             # rank that died rather than those the agent stopped after it.
             f"{metric_name('previous_process_vanished_timestamp_seconds')} > time() - "
             f"{num(duration_seconds(t.vanished_window))}",
-            "0s",
+            t.vanished_for,
             t.vanished_severity,
             "A rank's process died without a word and the group was restarted.",
             f"The previous process of {RANK_TEXT} ended without a word (killed by a signal it did not handle: "

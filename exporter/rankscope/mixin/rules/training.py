@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
@@ -53,6 +54,11 @@ def alerts(t: Tunables) -> list[Alert]:
             f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
             t.divergence_action,
+            # A rollback goes back to before the loss's median began to climb, a smoothing window before the
+            # alert went pending: the checkpoints between were written with the divergence in them.
+            parameters={"incident_lookback_seconds": num(duration_seconds(t.loss_smoothing_window))}
+            if t.divergence_action == "rollback"
+            else {},
         ),
         Alert(
             "RankscopeNonFiniteSteps",
