@@ -185,3 +185,21 @@ def test_a_faults_cost_runs_from_the_first_training_of_the_step_before_it_throug
     # Step at-1 first ended at at-1; step 40 last ended at at+50: 51 s for what took 41 - at in the fault-free run.
     assert outcome.cost_seconds == pytest.approx((at + 50.0 - (at - 1)) - (40 - (at - 1)))
     assert outcome.steps_retrained == at - 15
+
+
+def test_a_bad_rule_setting_is_refused_in_one_line_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.campaign.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--set", "divergence_action=checkpoint", "--arms", "on"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip().splitlines()[-1]
+    assert error.startswith("python -m benchmarks.campaign: error: --set: ") and "divergence_action" in error
+    assert "calibration" not in captured.out  # refused before the first run
+
+
+def test_the_checkpoints_kept_reach_back_past_a_divergences_smoothing_and_for() -> None:
+    from benchmarks.campaign.__main__ import CHECKPOINT_SECONDS, kept_checkpoints
+
+    assert (kept_checkpoints() - 1) * CHECKPOINT_SECONDS >= 4 * 60

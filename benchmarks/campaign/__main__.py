@@ -30,6 +30,7 @@ import psutil
 
 from benchmarks.timing import machine_line
 from devstack.jobs import TrainerJob
+from devstack.monitoring import StackError
 from devstack.ports import free_port, local_ports
 
 from .arm import ARMS, COMMON_SETTINGS, ArmRecord, rules_for, run_arm
@@ -45,6 +46,9 @@ WARMUP_STEPS = 60
 CHECKPOINT_SECONDS = 15.0
 #: A validation every this many seconds of training (the time-to-target's resolution).
 VALIDATION_SECONDS = 30.0
+#: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, a
+#: smoothing window (2m) before the alert went pending, itself a `for` (2m) before it fired; plus a minute.
+ROLLBACK_REACH_SECONDS = 300.0
 #: Steps after the last fault's span, so the run ends on training, not on an incident.
 TAIL_STEPS = 60
 CALIBRATION_STEPS = 60
@@ -68,6 +72,11 @@ def _calibrate(workdir: Path, settings: tuple[str, ...]) -> float:
     train = [r for r in job.records("train")]
     gaps = [b["time"] - a["time"] for a, b in zip(train, train[1:], strict=False) if b["step"] == a["step"] + 1]
     return statistics.median(gaps[len(gaps) // 3 :])  # past the first steps' warm-up
+
+
+def kept_checkpoints() -> int:
+    """checkpoint.keep: enough for a rollback to reach ROLLBACK_REACH_SECONDS back."""
+    return math.ceil(ROLLBACK_REACH_SECONDS / CHECKPOINT_SECONDS) + 2
 
 
 def cadence(step_seconds: float) -> tuple[int, int]:
@@ -190,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         "--faults", default="", help=f"comma-separated kinds to play instead (of {', '.join(k.name for k in KINDS)})"
     )
     parser.add_argument("--arms", default="fault-free,on,off", help="which runs, in order (default fault-free,on,off)")
+    parser.add_argument("--set", dest="rule_settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a rankscope-mixin setting for every arm's rules (repeatable), to measure a variant of "
+                             "the pack, e.g. --set divergence_action=rollback")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the table's figures and the raw records here")
     parser.add_argument("--workdir", type=Path, help="keep every run's files here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -213,13 +225,18 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="rankscope-campaign-") as scratch:
         workdir = args.workdir or Path(scratch)
+        if args.rule_settings:  # before the calibration run: a bad setting fails in seconds
+            try:
+                rules_for(Path(scratch) / "settings-check", tuple(args.rule_settings))
+            except StackError as exc:
+                parser.error(f"--set: {exc}")
         print(machine_line(), flush=True)
         step_seconds = _calibrate(workdir, ())
         # The host-memory line: the shipped 85 % says nothing on a mostly idle machine, so where the memory fault
         # plays, every arm's rules draw it MEMORY_MARGIN above what the machine uses now, and the balloon grows
         # twice that (stated in the table).
         memory_line = round(psutil.virtual_memory().percent / 100 + MEMORY_MARGIN / psutil.virtual_memory().total, 3)
-        extra_rules = (f"host_memory_ratio={memory_line}",) if "memory" in kinds else ()
+        extra_rules = (*args.rule_settings, *((f"host_memory_ratio={memory_line}",) if "memory" in kinds else ()))
         checkpoint_every, val_every = cadence(step_seconds)
         print(f"campaign: calibration: {step_seconds * 1000:.0f} ms per step; a checkpoint every {checkpoint_every} "
               f"steps, a validation every {val_every}", flush=True)  # fmt: skip
@@ -235,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         max_steps = max(end, last.until_step) + TAIL_STEPS  # the trainer validates at its last step too
         # The learning rate decays over the whole run (test.yaml's 200 steps would leave it at its floor for hours,
         # where an action on it changes nothing).
-        trainer_settings = (f"checkpoint.every_steps={checkpoint_every}", f"run.val_every={val_every}",
-                            f"optim.decay_steps={max_steps}")  # fmt: skip
+        trainer_settings = (f"checkpoint.every_steps={checkpoint_every}", f"checkpoint.keep={kept_checkpoints()}",
+                            f"run.val_every={val_every}", f"optim.decay_steps={max_steps}")  # fmt: skip
         print(
-            f"campaign: {max_steps} steps; host memory line {extra_rules or 'shipped'}; "
+            f"campaign: {max_steps} steps; rule settings {', '.join(extra_rules) or 'shipped'}; "
             + "; ".join(f.describe() for f in schedule),
             flush=True,
         )
@@ -264,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             payload: dict[str, Any] = {
                 "machine": machine_line(), "step_seconds": step_seconds, "max_steps": max_steps,
                 "operator_delay": args.operator_delay, "seed": args.seed, "target_loss": target,
+                "rule_settings": list(extra_rules),
                 "schedule": [{"id": f.id, "kind": f.kind.name, "at_step": f.at_step, "rank": f.rank,
                               "until_step": f.until_step} for f in schedule],
                 "arms": [s.to_json() for s in summaries], "failed": failed,
