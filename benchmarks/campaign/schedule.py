@@ -47,11 +47,15 @@ class Kind:
     """The trainer's `faults.schedule` entry, less `at_step` (and `rank`, set per fault)."""
     lasts_steps: int = 0
     """For faults with an end (`until_step`): how many steps they last."""
+    slowdown: float = 1.0
+    """How many times slower its steps are while it lasts (a straggler)."""
 
     def span_seconds(self, operator_delay: float, step_seconds: float) -> float:
         """Time to leave before the next fault: detection, the slower arm's answer, the effect, and margin."""
         answer = operator_delay if self.needs_operator and self.alert else 0.0
         lasting = self.lasts_steps * step_seconds
+        if self.slowdown > 1:  # its steps are made to last past its detection (build_schedule): then the effect
+            return lasting + self.effect_seconds + 20.0
         return max(lasting, self.detect_seconds + answer) + self.effect_seconds + 20.0
 
 
@@ -74,7 +78,10 @@ KINDS: tuple[Kind, ...] = (
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
     Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
-    Kind("straggler", "rank 1 slowed by 2x, then normal", "RankscopeRankImbalance", True,
+    # 3 step times more per step: with 2 ranks the straggler ratio compares a rank's compute time with the median
+    # of both, their mean, so a rank whose compute is twice as long reads as 1.33x, under the alert's 1.5 (the rule
+    # compares with the median of every rank, itself included); 3 step times more reads as 1.6x or more.
+    Kind("straggler", "rank 1 spends 3 step times more per step, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
          effect_seconds=30),
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
@@ -140,10 +147,12 @@ def build_schedule(
         if kind.name == "memory" and memory:
             kind = Kind(**{**kind.__dict__, "trainer": {**kind.trainer, **memory}})
         if kind.name == "straggler":
-            # Slowed long enough for the shipped 10-minute `for`, then normal again.
-            lasting = math.ceil((kind.detect_seconds + 60) / step_seconds / 2)
-            extra = straggler_seconds if straggler_seconds is not None else step_seconds
-            kind = Kind(**{**kind.__dict__, "lasts_steps": lasting, "trainer": {**kind.trainer, "seconds": extra}})
+            # Slowed long enough for the shipped 10-minute `for` (and a minute more), then normal again.
+            extra = straggler_seconds if straggler_seconds is not None else 3 * step_seconds
+            slowdown = (step_seconds + extra) / step_seconds
+            lasting = math.ceil((kind.detect_seconds + 60) / (step_seconds + extra))
+            kind = Kind(**{**kind.__dict__, "lasts_steps": lasting, "slowdown": slowdown,
+                           "trainer": {**kind.trainer, "seconds": extra}})  # fmt: skip
         span = kind.span_seconds(operator_delay, step_seconds) / step_seconds
         at = step + rng.randint(0, max(1, int(span / 10)))
         until = at + kind.lasts_steps if kind.lasts_steps else 0
