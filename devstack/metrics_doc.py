@@ -22,7 +22,7 @@ _SOURCES = {
     "cuda": "the Monitor, on CUDA with `step_peak_memory`",
     "probe": "sampled when Prometheus scrapes",
     "control": "the control channel",
-    "exits": "the Monitor, at its start, when the rank's previous process ended without a word (`goodput_dir`)",
+    "exits": "the Monitor, at its start, when the rank's previous process ended without a word (`goodput_dir` set)",
 }
 
 

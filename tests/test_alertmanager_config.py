@@ -54,6 +54,7 @@ EXPECTED_RECEIVERS = {
     "RankscopeRankHung": "trainer-control,pager",
     "RankscopeRunStalled": "pager",
     "RankscopeRankDown": "pager",
+    "RankscopeRankVanished": "tickets",
     "RankscopeRunPaused": "null",
     "RankscopeGoodputLow": "tickets",
 }

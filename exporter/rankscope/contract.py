@@ -225,7 +225,7 @@ _SPECS: tuple[MetricSpec, ...] = (
         _G,
         "Unix time at which this rank's process found that the previous process of the same rank and run (a "
         "torchrun restart ago) ended without a word: killed (SIGKILL, the OOM killer) or crashed in native code "
-        "(rankscope.exits; needs the monitor's goodput_dir). Absent otherwise.",
+        "(rankscope.exits; needs the run's state directory, where its checkpoints are). Absent otherwise.",
         unit="seconds",
         source="exits",
     ),
