@@ -525,17 +525,21 @@ class ControlChannel:
 
     def _rollback_request(self, record: ActionRecord, params: dict[str, Any], step: int) -> RollbackRequest:
         """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt (the
-        incident began then, before the alert's `for` elapsed), less its incident_lookback_seconds (a smoothed
-        signal went pending that long after the fault); else the current step."""
+        incident began then, before the alert's `for` elapsed); else the current step. An alert's
+        incident_lookback_seconds moves where to go back to that much earlier (a smoothed signal went pending that
+        long after the fault), not the incident: the data skipped still runs through it, plus the margin."""
+        before = None
         if params.get("before_step") is not None:
             incident = int(params["before_step"])
         elif record.started_at is not None:
-            incident = self._step_at(record.started_at - float(params.get("incident_lookback_seconds") or 0), step)
+            incident = self._step_at(record.started_at, step)
+            if params.get("incident_lookback_seconds"):
+                before = self._step_at(record.started_at - float(params["incident_lookback_seconds"]), step)
         else:
             incident = step
         skip = params.get("skip_batches")
         return RollbackRequest(
-            before_step=incident,
+            before_step=incident if before is None else before,
             incident_step=incident,
             skip_batches=None if skip is None else int(skip),
             margin_batches=self.config.rollback_margin_batches,
