@@ -28,6 +28,8 @@ GIB = 1024**3
 POISON_AT, POISON_BATCHES = 121, 40
 #: Covers the poison left after the newest checkpoint before the alert's startsAt (checkpoints every 10 steps).
 MARGIN = POISON_BATCHES + 10
+#: The e2e rules' loss smoothing window (tests/e2e/harness.py): the rollback goes back that much before startsAt.
+LOOKBACK_SECONDS = 5.0
 
 
 def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack, trainer_job, tmp_path) -> None:
@@ -46,7 +48,12 @@ def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack,
     (event,) = job.wait_for(lambda: job.records("rollback"), "the rollback record")
     (skip,) = job.wait_for(lambda: job.records("skip"), "the skip record")
     restored = event["step"]
-    assert POISON_AT - 10 <= restored < applied["step"], (event, applied)
+    # Back to before the poison: the alert's startsAt (after the poison began) less its smoothing window (the
+    # alert's incident_lookback_seconds), then the newest checkpoint before that (every 10 steps).
+    poisoned_at = step_started_at(job, POISON_AT)
+    logged = {r["step"]: r["time"] for r in job.records("train")}
+    earliest = max((s for s, t in logged.items() if t <= poisoned_at - LOOKBACK_SECONDS), default=0) - 10
+    assert earliest <= restored < POISON_AT, (event, applied, earliest)
     # The window skipped (data batches restored+1 .. restored+n) covers every poisoned batch not yet trained.
     assert restored + skip["batches"] >= POISON_AT + POISON_BATCHES - 1, skip
     for rank in (0, 1):
