@@ -162,15 +162,22 @@ class TrainerJob:
             "run.linger_seconds=0",  # no Prometheus scrapes these jobs; a test that scrapes sets its own
             *settings,
         ]
+        #: The trainer's own arguments (after torchrun's).
+        self.trainer_args = ["-m", "rankscope_trainer", "--config", config, "--resume", resume]
+        for override in overrides:
+            self.trainer_args += ["--set", override]
+        self.proc = self.launch(master_port, max_restarts)
+
+    def launch(self, master_port: int, max_restarts: int) -> subprocess.Popen:
+        """Start the job (torchrun, one node); the process `proc` follows. A subclass may launch it otherwise."""
         # --standalone: the c10d rendezvous, as docker compose and `make demo` use. It gives every restart
         # round its own store prefix; the static one (--master_port alone) can hand a restarted rank its
         # peer's address from the attempt before.
-        target = ["--standalone", "-m", "rankscope_trainer", "--config", config, "--resume", resume]
-        for override in overrides:
-            target += ["--set", override]
-        self.proc = torchrun(
-            nproc, target, master_port, {"RANKSCOPE_RUN_ID": "trainer-test"}, log=self.output, max_restarts=max_restarts
-        )
+        target = ["--standalone", *self.trainer_args]
+        return torchrun(
+            self.nproc, target, master_port, {"RANKSCOPE_RUN_ID": "trainer-test"}, log=self.output,
+            max_restarts=max_restarts,
+        )  # fmt: skip
 
     # --- what the job wrote ------------------------------------------------------------------
 

@@ -27,15 +27,15 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest'
 
 @pytest.fixture
 def stack(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[[str], Stack]]:
-    """Call with a scenario name (and optionally engine="victoriametrics") to start its Prometheus,
-    Alertmanager and pager sink (see tests.e2e.harness.Stack); stopped at teardown, after printing
-    what every component saw if the test failed."""
+    """Call with a scenario name (and optionally engine="victoriametrics", or a Stack subclass as `kind`) to
+    start its Prometheus, Alertmanager and pager sink (see tests.e2e.harness.Stack); stopped at teardown,
+    after printing what every component saw if the test failed."""
     started: list[Stack] = []
 
-    def start(name: str, engine: str = "prometheus") -> Stack:
+    def start(name: str, engine: str = "prometheus", kind: type[Stack] = Stack) -> Stack:
         workdir = tmp_path / name
         workdir.mkdir()
-        started.append(Stack(workdir, name, free_port_block, engine))
+        started.append(kind(workdir, name, free_port_block, engine))
         return started[-1]
 
     yield start

@@ -89,6 +89,9 @@ class Stack:
     `close()` stops everything it started; use it as a context manager.
     """
 
+    #: The job `start_trainer` launches (a subclass may launch the trainer otherwise, e.g. on two nodes).
+    job_class: type[TrainerJob] = TrainerJob
+
     def __init__(
         self, workdir: Path, name: str, free_port_block: Callable[[int], int], engine: str = "prometheus"
     ) -> None:
@@ -187,7 +190,7 @@ class Stack:
         assert self.trainer is None, "one trainer per stack"
         out = self.workdir / "trainer"
         out.mkdir()
-        self.trainer = TrainerJob(
+        self.trainer = self.job_class(
             out,
             self._master_port,
             self.ports.metrics,
