@@ -188,11 +188,15 @@ def test_a_faults_cost_runs_from_the_first_training_of_the_step_before_it_throug
 
 
 def test_a_bad_rule_setting_is_refused_in_one_line_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
     from benchmarks.campaign.__main__ import main
 
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exited:
         main(["--set", "divergence_action=checkpoint", "--arms", "on"])
     assert exited.value.code == 2
+    assert signal.getsignal(signal.SIGTERM) == before  # its SIGTERM handler is the runner's own, put back
     captured = capsys.readouterr()
     error = captured.err.strip().splitlines()[-1]
     assert error.startswith("python -m benchmarks.campaign: error: --set: ") and "divergence_action" in error

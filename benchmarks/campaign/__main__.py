@@ -206,8 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="keep every run's files here (default: a temporary folder)")
     args = parser.parse_args(argv)
     # A SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C: every arm's finally stops its trainer and servers,
-    # instead of leaving them running with nobody to stop them.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # instead of leaving them running with nobody to stop them. The handler found is put back on the way out.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return _run(args, parser)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.operator_delay < 0:
         parser.error(f"--operator-delay must be >= 0 seconds, got {args.operator_delay}")
     arms = [name.strip() for name in args.arms.split(",") if name.strip()]
