@@ -78,10 +78,10 @@ KINDS: tuple[Kind, ...] = (
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
     Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
-    # 3 step times more per step: with 2 ranks the straggler ratio compares a rank's compute time with the median
-    # of both, their mean, so a rank whose compute is twice as long reads as 1.33x, under the alert's 1.5 (the rule
-    # compares with the median of every rank, itself included); 3 step times more reads as 1.6x or more.
-    Kind("straggler", "rank 1 spends 3 step times more per step, then normal", "RankscopeRankImbalance", True,
+    # Twice its step time. With 2 ranks the imbalance rule compares a rank's compute time with the median of both,
+    # their mean, so this reads about 1.33x, under the alert's 1.5: a known weakness of the rule (not fixed), which
+    # the campaign reports as an unnamed fault rather than hides behind a stronger straggler.
+    Kind("straggler", "rank 1 slowed to twice its step time, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
          effect_seconds=30),
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
@@ -92,13 +92,13 @@ KINDS: tuple[Kind, ...] = (
          needs_operator=False, restarts=1, effect_seconds=60),
     Kind("preempt", "SIGTERM to the job, then started again", None, False, by_runner=True, detect_seconds=0,
          needs_operator=False, effect_seconds=60),
-    # Not in the full schedule (`--faults poison` plays it): a stretch of bad data ends by itself when the stretch
-    # does, and the shipped divergence action (reduce_lr) cannot fix the data while it lasts; `rollback` skips it.
+    # A stretch of bad data: the shipped divergence action (reduce_lr) cannot fix the data while it lasts
+    # (`rollback` skips it); the table says what the loop made of it.
     Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
          trainer={"kind": "poison", "batches": 400}, detect_seconds=240, effect_seconds=60),
 )  # fmt: skip
 #: The full campaign: one fault of each kind a real run meets.
-FULL_KINDS = tuple(kind.name for kind in KINDS if kind.name != "poison")
+FULL_KINDS = tuple(kind.name for kind in KINDS)
 #: `--quick`: one fault of three kinds (a training fault, a hang, one the loop must not mistake for a hang).
 QUICK_KINDS = ("nonfinite", "hang_data", "slow_checkpoint")
 
@@ -148,7 +148,7 @@ def build_schedule(
             kind = Kind(**{**kind.__dict__, "trainer": {**kind.trainer, **memory}})
         if kind.name == "straggler":
             # Slowed long enough for the shipped 10-minute `for` (and a minute more), then normal again.
-            extra = straggler_seconds if straggler_seconds is not None else 3 * step_seconds
+            extra = straggler_seconds if straggler_seconds is not None else step_seconds
             slowdown = (step_seconds + extra) / step_seconds
             lasting = math.ceil((kind.detect_seconds + 60) / (step_seconds + extra))
             kind = Kind(**{**kind.__dict__, "lasts_steps": lasting, "slowdown": slowdown,
