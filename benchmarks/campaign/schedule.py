@@ -78,9 +78,7 @@ KINDS: tuple[Kind, ...] = (
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
     Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
-    # Twice its step time. With 2 ranks the imbalance rule compares a rank's compute time with the median of both,
-    # their mean, so this reads about 1.33x, under the alert's 1.5: a known weakness of the rule (not fixed), which
-    # the campaign reports as an unnamed fault rather than hides behind a stronger straggler.
+    # Twice its step time: the imbalance rule compares the slowest rank's compute time with the other ranks' median.
     Kind("straggler", "rank 1 slowed to twice its step time, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
          effect_seconds=30),

@@ -237,8 +237,8 @@ class Tunables:
     grad_vanishing_severity: str = "ticket"
 
     imbalance_ratio: float = 1.5
-    """Slowest rank's compute time over the median rank's. With 2 ranks the ratio is 2k/(k+1) for a k-times
-    slower rank, so it never reaches 2; 1.5 means one rank 3x slower. With many ranks it is k itself."""
+    """Slowest rank's compute time over the median of the other ranks': a rank k times slower than the rest
+    reads k, with 2 ranks as with many."""
     imbalance_for: str = "10m"
     imbalance_severity: str = "page"
     data_wait_p90_seconds: float = 0.1

@@ -38,6 +38,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
     w = t.rate_window
     step = metric_name("step_duration_seconds")
     busy_median = f"quantile by ({RUN}) (0.5, {COMPUTE_BUSY})"
+    slowest = f"topk by ({RUN}) (1, {COMPUTE_BUSY})"
     return [
         # --- level 1 ----------------------------------------------------------------------------------------
         # Compute time (step - comm - data wait) is the per-rank signal: under DDP the all-reduce makes every
@@ -59,11 +60,15 @@ def records(t: Tunables) -> list[dict[str, str]]:
         # Seconds of compute per step of the median rank.
         {"record": COMPUTE_MEDIAN, "expr": ratio(busy_median, STEPS_RATE)},
         {
-            # The slowest rank of each run over the median rank; its `rank` and `node` labels name the straggler
-            # (a run of one rank has ratio 1, below any imbalance_ratio). The median is taken here, not read
-            # from its recorded series, so the alert stays two levels above the scraped data.
+            # The slowest rank of each run over the median of the other ranks; its `rank` and `node` labels name
+            # the straggler. The others only: with two ranks a median of both is their mean, and a rank twice as
+            # slow as the other would read 1.33x. A run of one rank has no others: ratio 1, below any
+            # imbalance_ratio. Taken here, not read from a recorded median, so the alert stays two levels above
+            # the scraped data.
             "record": STRAGGLER,
-            "expr": f"topk by ({RUN}) (1, {COMPUTE_BUSY})\n/ on ({RUN}) group_left ()\n({busy_median} > 0)",
+            "expr": f"{slowest}\n/ on ({RUN}) group_left ()\n(\n"
+            f"  quantile by ({RUN}) (0.5, {COMPUTE_BUSY} unless {slowest}) > 0\n"
+            f"  or\n  max by ({RUN}) ({COMPUTE_BUSY}) > 0\n)",
         },
         # --- level 3: dashboards only ----------------------------------------------------------------------
         # The slowest rank over the median one is the straggler's ratio: read from it, not from every rank again.
@@ -86,10 +91,10 @@ def alerts(t: Tunables) -> list[Alert]:
             f"{STRAGGLER} > {num(t.imbalance_ratio)}",
             t.imbalance_for,
             t.imbalance_severity,
-            "One rank is a straggler: its compute time per step is far above the median rank's.",
+            "One rank is a straggler: its compute time per step is far above the other ranks' median.",
             f'Straggler: {RANK_TEXT} computes {{{{ $value | printf "%.2f" }}}}x as long per step as the median '
-            f"rank (threshold {num(t.imbalance_ratio)}) for {t.imbalance_for}. Every other rank waits for it in "
-            "the all-reduce.",
+            f"of the other ranks (threshold {num(t.imbalance_ratio)}) for {t.imbalance_for}. Every other rank waits "
+            "for it in the all-reduce.",
         ),
         Alert(
             "RankscopeDataLoaderBottleneck",
