@@ -28,8 +28,9 @@ GIB = 1024**3
 POISON_AT, POISON_BATCHES = 121, 40
 #: Covers the poison left after the newest checkpoint before the alert's startsAt (checkpoints every 10 steps).
 MARGIN = POISON_BATCHES + 10
-#: The e2e rules' loss smoothing window (tests/e2e/harness.py): the rollback goes back that much before startsAt.
-LOOKBACK_SECONDS = 5.0
+#: The e2e rules' loss smoothing window and `for` (tests/e2e/harness.py): the rollback goes back that much before
+#: startsAt (the time the alert fired).
+LOOKBACK_SECONDS = 5.0 + 1.0
 
 
 def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack, trainer_job, tmp_path) -> None:
@@ -48,8 +49,9 @@ def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack,
     (event,) = job.wait_for(lambda: job.records("rollback"), "the rollback record")
     (skip,) = job.wait_for(lambda: job.records("skip"), "the skip record")
     restored = event["step"]
-    # Back to before the poison: the alert's startsAt (after the poison began) less its smoothing window (the
-    # alert's incident_lookback_seconds), then the newest checkpoint before that (every 10 steps).
+    # Back to before the poison: the alert's startsAt (when it fired, after the poison began) less its smoothing
+    # window and `for` (the alert's incident_lookback_seconds), then the newest checkpoint before that (every 10
+    # steps).
     poisoned_at = step_started_at(job, POISON_AT)
     logged = {r["step"]: r["time"] for r in job.records("train")}
     earliest = max((s for s, t in logged.items() if t <= poisoned_at - LOOKBACK_SECONDS), default=0) - 10

@@ -111,8 +111,9 @@ SKIP_BATCHES = Parameter(
 )
 INCIDENT_LOOKBACK = Parameter(
     "incident_lookback_seconds",
-    "the incident began this many seconds before the alert's startsAt (a smoothed signal crosses its line after "
-    "the fault began): roll back to before then (an alert's annotation; ignored with before_step)",
+    "the incident began this many seconds before the alert's startsAt, the time it fired (a smoothed signal "
+    "crosses its line after the fault began, and fires its `for` later): roll back to before then (an alert's "
+    "annotation; ignored with before_step)",
     minimum=0,
     maximum=86400,
     exclusive=False,

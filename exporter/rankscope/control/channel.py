@@ -524,10 +524,11 @@ class ControlChannel:
         return order
 
     def _rollback_request(self, record: ActionRecord, params: dict[str, Any], step: int) -> RollbackRequest:
-        """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt (the
-        incident began then, before the alert's `for` elapsed); else the current step. An alert's
-        incident_lookback_seconds moves where to go back to that much earlier (a smoothed signal went pending that
-        long after the fault), not the incident: the data skipped still runs through it, plus the margin."""
+        """Rank 0: where to roll back to. An explicit before_step wins; else the step at the alert's startsAt (when
+        it fired: Prometheus sends that, its `for` after the condition began); else the current step. An alert's
+        incident_lookback_seconds moves where to go back to that much earlier (a smoothed signal fires its `for`
+        and up to a window after the fault), not the incident: the data skipped still runs through it, plus the
+        margin."""
         before = None
         if params.get("before_step") is not None:
             incident = int(params["before_step"])

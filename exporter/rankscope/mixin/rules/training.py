@@ -54,9 +54,14 @@ def alerts(t: Tunables) -> list[Alert]:
             f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
             t.divergence_action,
-            # A rollback goes back to before the loss's median began to climb, a smoothing window before the
-            # alert went pending: the checkpoints between were written with the divergence in them.
-            parameters={"incident_lookback_seconds": num(duration_seconds(t.loss_smoothing_window))}
+            # A rollback goes back to before the loss's median began to climb: Prometheus sends the time the
+            # alert fired as its startsAt, its `for` after it went pending, itself up to a smoothing window after
+            # the climb began. The checkpoints between were written with the divergence in them.
+            parameters={
+                "incident_lookback_seconds": num(
+                    duration_seconds(t.loss_smoothing_window) + duration_seconds(t.divergence_for)
+                )
+            }
             if t.divergence_action == "rollback"
             else {},
         ),
