@@ -119,7 +119,7 @@ def test_a_loops_own_metrics_are_recorded_through_set_inc_and_observe():
     assert value(monitor, "rankscope_text_padding_ratio") == 0.25
     assert value(monitor, "rankscope_data_skipped_samples_total", reason="missing_file") == 2
     assert value(monitor, "rankscope_text_length_tokens_count") == 3
-    assert value(monitor, "rankscope_text_length_tokens_bucket", le="16.0") == 2
+    assert value(monitor, "rankscope_text_length_tokens_sum") == 48
     assert value(monitor, "rankscope_contrastive_accuracy_ratio", split="train", direction="image_to_text") == 0.5
 
 
@@ -277,6 +277,26 @@ def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
         pages.append("\n".join(line for line in page.splitlines() if "_created" not in line))
     assert pages[0] == pages[1]
     assert 'h_bucket{le="7.0"} 8.0' in pages[0]  # cumulative: -3, 0, 1, 1, 2.5 and three 7s
+
+
+def test_observing_a_tensor_gives_the_same_summary_as_observing_each_value():
+    from prometheus_client import CollectorRegistry, Summary, generate_latest
+    from rankscope.instruments import observe_all
+
+    values = [0.0, 1.0, 2.5, 7.0, 1e9, -3.0]
+    pages = []
+    for bulk in (True, False):
+        registry = CollectorRegistry()
+        child = Summary("s", "help", registry=registry)
+        if bulk:
+            observe_all(child, values)
+        else:
+            for v in values:
+                child.observe(v)
+        page = generate_latest(registry).decode()
+        pages.append("\n".join(line for line in page.splitlines() if "_created" not in line))
+    assert pages[0] == pages[1]
+    assert "s_count 6.0" in pages[0]
 
 
 def test_a_nan_among_observed_values_takes_the_plain_path():

@@ -2,9 +2,9 @@
 
 `rankscope.serving.exposition` renders Counter, Gauge and Histogram children from their `_value`,
 `_buckets`, `_sum` and `_upper_bounds`, and `rankscope.instruments.observe_all` adds to a histogram's
-buckets directly; on a client without them both fall back to slower general paths, silently. These
-tests fail instead, so a prometheus_client release that moves them is caught before the version range
-in pyproject.toml is widened (the range's bounds were run: 0.20.0 and 0.26.0).
+buckets (a summary's `_count` and `_sum`) directly; on a client without them both fall back to slower
+general paths, silently. These tests fail instead, so a prometheus_client release that moves them is
+caught before the version range in pyproject.toml is widened (the range's bounds were run: 0.20.0 and 0.26.0).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rankscope.instruments import observe_all
 from rankscope.serving import exposition
@@ -70,6 +70,19 @@ def test_observe_all_adds_to_the_histogram_internals_as_observe_does():
         assert hasattr(fast_child, attr), f"prometheus_client {attr} is gone: observe_all takes the slow loop"
     observe_all(fast_child, values)
     slow_child = Histogram("h", "h", buckets=(0.1, 1.0), registry=slow)
+    for value in values:
+        slow_child.observe(value)
+    assert _samples(generate_latest(fast)) == _samples(generate_latest(slow))
+
+
+def test_observe_all_adds_to_the_summary_internals_as_observe_does():
+    fast, slow = CollectorRegistry(), CollectorRegistry()
+    values = [0.05, 0.5, 30.0]
+    fast_child = Summary("s", "s", registry=fast)
+    for attr in ("_count", "_sum"):
+        assert hasattr(fast_child, attr), f"prometheus_client {attr} is gone: observe_all takes the slow loop"
+    observe_all(fast_child, values)
+    slow_child = Summary("s", "s", registry=slow)
     for value in values:
         slow_child.observe(value)
     assert _samples(generate_latest(fast)) == _samples(generate_latest(slow))

@@ -59,8 +59,8 @@ SPLIT_TIME_BUCKETS: tuple[float, ...] = (0.01, 0.1, 1.0)
 #: Data waits are usually far below a step. 0.1 s and 0.5 s are boundaries on purpose: the data-loader
 #: alert reads "p90 above its threshold" from the bucket at the threshold (exporter/rankscope/mixin/rules.py).
 DATA_WAIT_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 2.5)
-#: Nothing reads a checkpoint's duration quantiles: two lines to tell a slow one from a very slow one.
-CHECKPOINT_BUCKETS: tuple[float, ...] = (10.0, 60.0)
+# Where nothing reads a distribution, a summary without quantiles serves its _sum and _count (the exact
+# mean) and no buckets: 2 series per rank instead of buckets + 3 (a checkpoint's duration, for one).
 # fmt: on
 
 #: What a rank is doing (rankscope_phase's value is the index; rankscope.progress): the training thread
@@ -76,6 +76,8 @@ class MetricKind(str, Enum):
     COUNTER = "counter"
     GAUGE = "gauge"
     HISTOGRAM = "histogram"
+    #: prometheus_client's Summary without quantiles: ``_sum`` and ``_count`` only.
+    SUMMARY = "summary"
     INFO = "info"
 
 
@@ -85,7 +87,7 @@ class MetricSpec:
 
     ``name`` is the exposed family name: counters include ``_total``, info
     metrics ``_info``, histograms the base name (series add ``_bucket``,
-    ``_sum``, ``_count``).
+    ``_sum``, ``_count``), summaries too (series add ``_sum``, ``_count``).
     """
 
     name: str
@@ -116,6 +118,8 @@ class MetricSpec:
         """Every sample name this family produces, as PromQL sees it."""
         if self.kind is MetricKind.HISTOGRAM:
             return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.kind is MetricKind.SUMMARY:
+            return (f"{self.name}_sum", f"{self.name}_count")
         return (self.name,)
 
     @property
@@ -172,7 +176,7 @@ def _convention_problem(spec: MetricSpec) -> str:
     return ""
 
 
-_C, _G, _H, _I = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM, MetricKind.INFO
+_C, _G, _H, _S, _I = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM, MetricKind.SUMMARY, MetricKind.INFO
 
 
 def _m(name: str, kind: MetricKind, help: str, **kw: object) -> MetricSpec:
@@ -368,10 +372,9 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _m(
         "checkpoint_duration_seconds",
-        _H,
-        "Time to write one checkpoint.",
+        _S,
+        "Time to write one checkpoint (a summary: _sum / _count is the mean).",
         unit="seconds",
-        buckets=CHECKPOINT_BUCKETS,
         source="control",
     ),
     _m(

@@ -14,7 +14,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Summary
 
 from rankscope.contract import IDENTITY_LABELS, METRICS, MetricKind, MetricSpec
 from rankscope.identity import RankIdentity
@@ -25,6 +25,7 @@ _CLIENT_TYPES = {
     MetricKind.COUNTER: Counter,
     MetricKind.GAUGE: Gauge,
     MetricKind.HISTOGRAM: Histogram,
+    MetricKind.SUMMARY: Summary,
     MetricKind.INFO: Info,
 }
 
@@ -98,22 +99,28 @@ class Instruments:
 
 
 def observe_all(child: Any, values: Sequence[float]) -> None:
-    """Observe every value into a histogram child: what a loop of `child.observe(v)` does, cheaper.
+    """Observe every value into a histogram or summary child: what a loop of `child.observe(v)` does, cheaper.
 
     A batch statistic (caption lengths, image sizes) brings dozens of values per step; this adds
-    one increment per touched bucket instead of one `observe` call per value. It relies on the
-    client's histogram internals (`_upper_bounds`, `_buckets`, `_sum`), so where they are missing
-    (another prometheus_client version) or a value is NaN, it falls back to the plain loop.
+    one increment per touched bucket (a summary: to its count) instead of one `observe` call per value.
+    It relies on the client's internals (`_upper_bounds`, `_buckets`, `_sum`; a summary's `_count`,
+    `_sum`), so where they are missing (another prometheus_client version) or a value is NaN, it falls
+    back to the plain loop.
     """
-    bounds, buckets, total = (getattr(child, attr, None) for attr in ("_upper_bounds", "_buckets", "_sum"))
-    if bounds is None or buckets is None or total is None or any(math.isnan(v) for v in values):
-        for value in values:
-            child.observe(value)
-        return
-    # The first bound >= value is the bucket `observe` picks (amount <= bound); +Inf catches the rest.
-    for index, count in Tally(bisect_left(bounds, value) for value in values).items():
-        buckets[index].inc(count)
-    total.inc(math.fsum(values))
+    bounds, buckets, count, total = (getattr(child, a, None) for a in ("_upper_bounds", "_buckets", "_count", "_sum"))
+    if total is not None and not any(math.isnan(v) for v in values):
+        if bounds is not None and buckets is not None and count is None:  # a histogram
+            # The first bound >= value is the bucket `observe` picks (amount <= bound); +Inf catches the rest.
+            for index, hits in Tally(bisect_left(bounds, value) for value in values).items():
+                buckets[index].inc(hits)
+            total.inc(math.fsum(values))
+            return
+        if count is not None and bounds is None:  # a summary
+            count.inc(len(values))
+            total.inc(math.fsum(values))
+            return
+    for value in values:
+        child.observe(value)
 
 
 class BeforeRender:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from rankscope.contract import PREFIX, MetricKind, MetricSpec
 
-__all__ = ["IMAGE_SIDE_BUCKETS", "TEXT_LENGTH_BUCKETS", "TRAINER_METRICS"]
+__all__ = ["TRAINER_METRICS"]
 
-TEXT_LENGTH_BUCKETS: tuple[float, ...] = (16, 64, 256)
-IMAGE_SIDE_BUCKETS: tuple[float, ...] = (256, 1024)
-
-_C, _G, _H = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
+# The batch statistics are summaries (_sum and _count: the exact mean), not histograms: buckets wide
+# enough for any data set put a demo's 48-pixel images and 10-token captions in their first bucket, where
+# a quantile is an interpolation, not a measurement, and each bucket is a series on every rank.
+_C, _G, _S = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.SUMMARY
 
 
 def _m(name: str, kind: MetricKind, help: str, **kw: object) -> MetricSpec:
@@ -34,10 +34,9 @@ TRAINER_METRICS: tuple[MetricSpec, ...] = (
     _m("contrastive_temperature", _G, "Learned softmax temperature (1 / logit scale).", source="trainer"),
     _m(
         "text_length_tokens",
-        _H,
-        "Caption length in tokens, before padding.",
+        _S,
+        "Caption length in tokens, before padding (a summary: _sum / _count is the mean).",
         unit="tokens",
-        buckets=TEXT_LENGTH_BUCKETS,
         source="trainer",
     ),
     _m(
@@ -45,10 +44,9 @@ TRAINER_METRICS: tuple[MetricSpec, ...] = (
     ),
     _m(
         "image_size_pixels",
-        _H,
-        "Source image side lengths (width and height alike) before resizing.",
+        _S,
+        "Source image side lengths (width and height alike) before resizing (a summary: _sum / _count is the mean).",
         unit="pixels",
-        buckets=IMAGE_SIDE_BUCKETS,
         source="trainer",
     ),
     _m(

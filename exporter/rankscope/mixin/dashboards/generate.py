@@ -49,6 +49,11 @@ def share(part: str, whole: str, by: str = "", sel: str = RANK_SEL) -> str:
     return f"{rate_sum(part, by, sel, 'sum')} / {rate_sum(whole, by, sel, 'sum')}"
 
 
+def mean(name: str, by: str = "", sel: str = RANK_SEL) -> str:
+    """The exact mean of a histogram's or summary's observations over the rate window (_sum over _count)."""
+    return f"{rate_sum(name, by, sel, 'sum')} / {rate_sum(name, by, sel, 'count')}"
+
+
 def events(name: str, by: str = "", sel: str = RUN_SEL) -> str:
     """Events per rate window of a counter; 0 until the first event creates the series."""
     grouping = f" by ({by})" if by else ""
@@ -555,8 +560,9 @@ def model_and_data() -> dict:
                     timeseries(
                         "Caption length",
                         "suffix:tokens",
-                        Target(quantile(0.5, "text_length_tokens"), "p50"),
-                        Target(quantile(0.9, "text_length_tokens"), "p90"),
+                        Target(mean("text_length_tokens"), "mean"),
+                        Target(f"max({m('sequence_length_max_tokens')}{{{RANK_SEL}}})", "longest"),
+                        description="Mean caption length before padding, and the longest caption of the latest step.",
                         w=8,
                     ),
                     timeseries(
@@ -574,9 +580,10 @@ def model_and_data() -> dict:
                         w=8,
                     ),
                     timeseries(
-                        "Source image size (p50)",
+                        "Source image size (mean)",
                         "pixel",
-                        Target(quantile(0.5, "image_size_pixels"), "side"),
+                        Target(mean("image_size_pixels"), "side"),
+                        description="Mean side length (width and height alike) of the source images, before resizing.",
                         w=8,
                     ),
                     timeseries(

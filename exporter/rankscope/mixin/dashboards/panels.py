@@ -31,7 +31,7 @@ from grafana_foundation_sdk.models import heatmap as heatmap_m
 from grafana_foundation_sdk.models import prometheus as prom_m
 from rankscope_trainer.metrics import TRAINER_METRICS
 
-from rankscope.contract import PREFIX, MetricKind, metric
+from rankscope.contract import PREFIX, metric
 from rankscope.mixin.dashboards.queries import REQUIRES_GPU_TAG, metric_names
 from rankscope.mixin.promql import MFU, PEAK_FLOPS
 
@@ -96,11 +96,11 @@ _TRAINER = {spec.name: spec for spec in TRAINER_METRICS}
 
 def m(name: str, series: str = "") -> str:
     """A contract (or reference-trainer) metric's exposed name; `series` picks ``bucket``/``sum``/``count`` of
-    a histogram."""
+    a histogram (``sum``/``count`` of a summary)."""
     full = name if name.startswith(PREFIX) else PREFIX + name
     spec = _TRAINER.get(full) or metric(name)
     if series:
-        if spec.kind is not MetricKind.HISTOGRAM:
+        if f"{spec.name}_{series}" not in spec.series_names:
             raise ValueError(f"{spec.name} is a {spec.kind.value}, it has no _{series} series")
         return f"{spec.name}_{series}"
     return spec.name
