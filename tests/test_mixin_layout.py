@@ -80,9 +80,30 @@ def test_federated_selectors_keep_the_rules_matchers_so_few_series_per_rank_cros
     # Histograms cross as the one bucket (or one rank per node) the rules read, never whole.
     assert 'rankscope_step_duration_seconds_bucket{local_rank="0"}' in federated
     assert "rankscope_step_duration_seconds_bucket" not in federated
-    assert 'rankscope_data_wait_seconds_bucket{le="0.1"}' in federated
+    # What the rules sum, average or take the highest of over a run's ranks crosses as each node's part, and what
+    # they compare with a line per rank as the rank's ratio (issue 32): never as every rank's series.
+    names = {s.name for s in split(Tunables()).federated}
+    summed = ("samples_total", "tokens_total", "model_flops_total", "peak_flops_per_second", "grad_norm",
+              "nonfinite_steps_total", "host_memory_used_ratio", "last_checkpoint_timestamp_seconds")  # fmt: skip
+    per_rank_ratios = ("data_wait_seconds_bucket", "data_wait_seconds_count", "data_wait_seconds_sum",
+                       "device_memory_bytes", "run_info")  # fmt: skip
+    assert not names & {f"rankscope_{name}" for name in summed + per_rank_ratios}
+    assert 'rankscope_step_duration_seconds_sum{local_rank="0"}' in federated
+    assert "rankscope_step_duration_seconds_sum" not in federated
+    assert {"run_node:rankscope_samples:rate", "run_node:rankscope_grad_norm:max"} <= federated
+    assert {
+        "run_rank:rankscope_data_wait_seconds:slow_share",
+        "run_rank:rankscope_step_duration_seconds:mean",
+    } <= federated
     assert "run_rank:rankscope_compute_duration_seconds_sum:rate" in federated
-    assert len(federated) <= 35
+
+
+def test_a_record_that_carries_its_own_value_forward_is_a_shards_when_it_reads_only_the_shards_series() -> None:
+    layout = split(Tunables())
+    # What a target served last is read from the target's own series: the shard that scrapes it keeps it.
+    assert "run_rank:rankscope_run_info:last_seen_timestamp_seconds" in layout.shard_records
+    # Whether a rank finished is matched on (run_id, rank), which a shard cannot see whole: global.
+    assert "run_rank:rankscope_run_finished:finished_timestamp_seconds" not in layout.shard_records
 
 
 @pytest.mark.parametrize(

@@ -197,7 +197,7 @@ def test_the_name_check_sees_histogram_series_and_ignores_label_values():
 @pytest.mark.parametrize("record", sorted(RECORDED))
 def test_recorded_series_are_named_level_metric_operation_after_a_contract_metric(record):
     level, metric, operation = record.split(":")
-    assert level in ("run", "run_rank") and operation
+    assert level in ("run", "run_node", "run_rank") and operation
     bases = {spec.name for spec in METRICS.values()} | _series_names()
     bases |= {spec.name.removesuffix("_total") for spec in METRICS.values() if spec.kind is MetricKind.COUNTER}
     assert metric in bases
@@ -444,8 +444,9 @@ def test_every_tunable_an_alert_uses_is_found():
     assert used["RankscopeHostMemoryHigh"] == [
         "host_memory_ratio", "host_memory_for", "host_memory_severity", "memory_action"
     ]  # fmt: skip
+    # Its rates' window is in the per-rank shares it reads (recorded: run_rank:rankscope_data_wait_seconds:*).
     assert set(used["RankscopeDataLoaderBottleneck"]) == {
-        "rate_window", "data_wait_p90_seconds", "data_wait_share", "data_loader_for", "data_loader_severity"
+        "data_wait_p90_seconds", "data_wait_share", "data_loader_for", "data_loader_severity"
     }  # fmt: skip
     # Every alert's severity is a tunable of its own.
     assert all(any(name.endswith("_severity") for name in names) for names in used.values()), used

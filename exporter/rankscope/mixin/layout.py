@@ -8,8 +8,10 @@ the sharded layouts cannot drift:
 
 - a recording rule goes to the shards when each of its results depends on one node's series (every
   aggregation and vector match keeps ``node`` or ``instance``, as ``run_id, node, rank`` does) and it reads
-  only scraped series or other shard recordings: a shard holds every series of each node it scrapes, so it
-  computes exactly what one server would;
+  only scraped series, other shard recordings or its own earlier values: a shard holds every series of each
+  node it scrapes, so it computes exactly what one server would. Run-level figures are built in two steps
+  for this (rankscope.mixin.promql): each node's part on its shard, the run's from the nodes' parts on the
+  global server, which then holds one series per node where it would hold one per rank;
 - every other rule goes to the global server: each alert, and every recording that compares or combines
   ranks (a run's median, a count of ranks in a phase), which needs the ranks of every shard;
 - the global server federates (``match[]``) each series selector its rules read from a shard: the shard
@@ -231,15 +233,17 @@ def split(t: Tunables) -> ShardedLayout:
     global_groups: dict[str, dict[str, Any]] = {}
     on_shard: set[str] = set()
 
-    def shard_can(expr: str) -> bool:
-        read = selectors(expr)
-        return all(not s.recorded or s.name in on_shard for s in read) and is_shard_local(expr)
+    def shard_can(rule: dict[str, Any]) -> bool:
+        read = selectors(rule["expr"])
+        # A record that carries its own last value forward reads itself: on the shard, that is its shard's copy.
+        own = {*on_shard, rule["record"]}
+        return all(not s.recorded or s.name in own for s in read) and is_shard_local(rule["expr"])
 
     for area in areas(t):  # in dependency order: a record's inputs are placed before it
         shard_rules: list[dict[str, Any]] = []
         global_rules: list[dict[str, Any]] = []
         for rule in area.records(t):
-            if shard_can(rule["expr"]):
+            if shard_can(rule):
                 shard_rules.append(rule)
                 on_shard.add(rule["record"])
             else:

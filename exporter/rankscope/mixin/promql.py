@@ -1,8 +1,14 @@
 """Shared PromQL: contract names, number formatting, the rate and counting idioms, and the names of every
 recorded series (``level:metric:operation``), read by the rule areas, the dashboards and the tests.
 
-``run`` aggregates by ``run_id``; ``run_rank`` by ``run_id, node, rank``. Metric names, histogram buckets
-and identity labels come from :mod:`rankscope.contract`: a metric renamed or removed there fails generation.
+``run`` aggregates by ``run_id``; ``run_node`` by ``run_id, node``; ``run_rank`` by ``run_id, node, rank`` (or
+keeps each rank's series as scraped). Metric names, histogram buckets and identity labels come from
+:mod:`rankscope.contract`: a metric renamed or removed there fails generation.
+
+A run-level figure over many ranks is built in two steps where it can: each node's part first (``run_node``,
+computed where the node's series are: a shard of the sharded layout, rankscope.mixin.layout), then the run's
+from the nodes' parts, in the same group. One server computes the same value either way; the global server
+of the sharded layout then holds one series per node instead of one per rank.
 """
 
 from __future__ import annotations
@@ -72,6 +78,13 @@ def applied(action: str, window: str) -> str:
     return f"max by ({RUN}) (\n  increase({done}[{window}]) > 0\n  or\n  ({born})\n)"
 
 
+def present_ratio(numerator: str, denominator: str) -> str:
+    """numerator / denominator series by series, NaN (no figure) where the denominator is 0: present for as long
+    as the numerator is, so that a shard's recording of it does not come and go with its value (the global server
+    would hold a vanished series' last value for its lookback delta). Any comparison with NaN is false."""
+    return f"{numerator}\n/\n({denominator} > 0)\nor\n{numerator} * nan"
+
+
 def rate_by(by: str, series: str, window: str, matchers: str = "") -> str:
     return f"sum by ({by}) (rate({series}{matchers}[{window}]))"
 
@@ -92,6 +105,11 @@ def _counter(short: str) -> str:
 # --- recorded series (level:metric:operation), by the area that records them -------------------------------
 # performance
 COMPUTE_BUSY = f"run_rank:{metric_name('compute_duration_seconds', 'sum')}:rate"
+#: Per rank (each scraped series): mean step seconds over the rate window, the share of batches whose data wait was
+#: above the p90 line, and data-wait seconds per step second. NaN where the rank did not step (present_ratio).
+STEP_MEAN = f"run_rank:{metric_name('step_duration_seconds')}:mean"
+DATA_WAIT_SLOW_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:slow_share"
+DATA_WAIT_STEP_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:step_share"
 COMPUTE_MEDIAN = f"run:{metric_name('compute_duration_seconds')}:median"
 IMBALANCE = f"run:{metric_name('compute_duration_seconds')}:imbalance_ratio"
 STRAGGLER = f"run:{metric_name('compute_duration_seconds')}:straggler_ratio"
@@ -103,12 +121,19 @@ STEP_QUANTILES = {q: f"run:{metric_name('step_duration_seconds')}:{_quantile_nam
 SAMPLES_RATE = f"run:{_counter('samples_total')}:rate"
 TOKENS_RATE = f"run:{_counter('tokens_total')}:rate"
 STEPS_RATE = f"run:{_counter('steps_total')}:rate"
+SAMPLES_NODE_RATE = f"run_node:{_counter('samples_total')}:rate"
+TOKENS_NODE_RATE = f"run_node:{_counter('tokens_total')}:rate"
 # training
 LOSS_SMOOTHED = f"run:{metric_name('loss')}:smoothed"
 LOSS_WINDOW_MIN = f"run:{metric_name('loss')}:window_min"
 VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
+#: Each node's sum and count of its ranks' latest validation loss: VAL_LOSS is their run's mean.
+VAL_LOSS_NODE_SUM = f"run_node:{metric_name('loss')}:val_sum"
+VAL_LOSS_NODE_COUNT = f"run_node:{metric_name('loss')}:val_count"
 NONFINITE_MAX = f"run:{metric_name('nonfinite_steps_total')}:max"
 GRAD_NORM_MAX = f"run:{metric_name('grad_norm')}:max"
+NONFINITE_NODE_MAX = f"run_node:{metric_name('nonfinite_steps_total')}:max"
+GRAD_NORM_NODE_MAX = f"run_node:{metric_name('grad_norm')}:max"
 # convergence
 #: The loss's rate of change is per this many steps (the unit of LOSS_CHANGE's name, not a threshold).
 LOSS_CHANGE_STEPS = 1000
@@ -139,6 +164,11 @@ COLLECTIVES_MIN = f"run:{metric_name('collectives_total')}:min"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
 CHECKPOINT_FAILED_AT = f"run:{metric_name('checkpoint_failures_total')}:failure_timestamp_seconds"
+LAST_CHECKPOINT_NODE_MAX = f"run_node:{metric_name('last_checkpoint_timestamp_seconds')}:max"
+# resources
+HOST_MEMORY_NODE_MAX = f"run_node:{metric_name('host_memory_used_ratio')}:max"
+#: Each rank's device memory of the configured kind (device_memory_kind) over its total; NaN where the total is 0.
+DEVICE_MEMORY_RATIO = f"run_rank:{metric_name('device_memory_bytes')}:used_ratio"
 # efficiency
 GOODPUT_BUCKETS = f"run:{metric_name('goodput_seconds_total')}:by_bucket"
 GOODPUT_WALL = f"run:{metric_name('goodput_seconds_total')}:wall"
@@ -147,7 +177,9 @@ GOODPUT_RATIO = f"run:{metric_name('goodput_seconds_total')}:goodput_ratio"
 GOODPUT_WINDOW_RATIO = f"run:{metric_name('goodput_seconds_total')}:goodput_window_ratio"
 BADPUT_WINDOW = f"run:{metric_name('goodput_seconds_total')}:badput_window"
 FLOPS_RATE = f"run:{_counter('model_flops_total')}:rate"
+FLOPS_NODE_RATE = f"run_node:{_counter('model_flops_total')}:rate"
 PEAK_FLOPS = f"run:{metric_name('peak_flops_per_second')}:sum"
+PEAK_FLOPS_NODE = f"run_node:{metric_name('peak_flops_per_second')}:sum"
 MFU = f"run:{_counter('model_flops_total')}:mfu_ratio"
 
 _RECORDED_NAME = re.compile(r"\b[a-z_]+:[a-zA-Z0-9_]+:[a-zA-Z0-9_]+\b")

@@ -7,9 +7,12 @@ from rankscope.mixin.promql import (
     LOSS_CHANGE,
     LOSS_CHANGE_STEPS,
     LOSS_SMOOTHED,
+    NODE,
     RUN,
     STEPS_RATE,
     VAL_LOSS,
+    VAL_LOSS_NODE_COUNT,
+    VAL_LOSS_NODE_SUM,
     metric_name,
     num,
     percent,
@@ -21,8 +24,14 @@ def records(t: Tunables) -> list[dict[str, str]]:
     """The latest validation loss and the training loss's rate of change: run-level series only."""
     return [
         # The latest validation loss (a gauge held between validations), averaged over the ranks reporting it:
-        # an instant read, no range over the ranks' series.
-        {"record": VAL_LOSS, "expr": f'avg by ({RUN}) ({metric_name("loss")}{{split="val"}})'},
+        # an instant read, no range over the ranks' series. Each node's sum and count first (where its ranks'
+        # series are), then the run's mean from them.
+        {"record": VAL_LOSS_NODE_SUM, "expr": f'sum by ({NODE}) ({metric_name("loss")}{{split="val"}})'},
+        {"record": VAL_LOSS_NODE_COUNT, "expr": f'count by ({NODE}) ({metric_name("loss")}{{split="val"}})'},
+        {
+            "record": VAL_LOSS,
+            "expr": f"sum by ({RUN}) ({VAL_LOSS_NODE_SUM})\n/\nsum by ({RUN}) ({VAL_LOSS_NODE_COUNT})",
+        },
         {
             # The loss's rate of change: the least-squares slope of the smoothed loss (per second, robust to
             # the noise of single points) over the run's mean steps per second in the same window is the slope

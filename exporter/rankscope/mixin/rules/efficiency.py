@@ -9,6 +9,7 @@ from __future__ import annotations
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import (
     BADPUT_WINDOW,
+    FLOPS_NODE_RATE,
     FLOPS_RATE,
     GOODPUT_BUCKETS,
     GOODPUT_PRODUCTIVE,
@@ -16,11 +17,14 @@ from rankscope.mixin.promql import (
     GOODPUT_WALL,
     GOODPUT_WINDOW_RATIO,
     MFU,
+    NODE,
     PEAK_FLOPS,
+    PEAK_FLOPS_NODE,
     RUN,
     metric_name,
     num,
     percent,
+    rate_by,
     ratio,
 )
 from rankscope.mixin.rules import Alert
@@ -47,9 +51,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "record": GOODPUT_BUCKETS,
             "expr": f'max by ({RUN}, bucket) ({metric_name("goodput_seconds_total")}{{rank="0"}})',
         },
-        {"record": FLOPS_RATE, "expr": f"sum by ({RUN}) (rate({metric_name('model_flops_total')}[{t.rate_window}]))"},
-        {"record": PEAK_FLOPS, "expr": f"sum by ({RUN}) ({metric_name('peak_flops_per_second')})"},
+        # Each node's flop rate and peak (where its ranks' series are), then the run's below.
+        {"record": FLOPS_NODE_RATE, "expr": rate_by(NODE, metric_name("model_flops_total"), t.rate_window)},
+        {"record": PEAK_FLOPS_NODE, "expr": f"sum by ({NODE}) ({metric_name('peak_flops_per_second')})"},
         # --- level 2 -----------------------------------------------------------------------------------------
+        {"record": FLOPS_RATE, "expr": f"sum by ({RUN}) ({FLOPS_NODE_RATE})"},
+        {"record": PEAK_FLOPS, "expr": f"sum by ({RUN}) ({PEAK_FLOPS_NODE})"},
         # The job's wall time is every bucket but `lost`, which is the part of `training` thrown away.
         {"record": GOODPUT_WALL, "expr": total(bucket(wall))},
         {"record": GOODPUT_PRODUCTIVE, "expr": f"{total(bucket(training))}\n- {total(bucket(lost))}"},
@@ -65,6 +72,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
         },
         # Seconds each cause of badput took in the window (the alert names the largest).
         {"record": BADPUT_WINDOW, "expr": grown('bucket!="training"')},
+        # --- level 3: dashboards only --------------------------------------------------------------------------
         {"record": MFU, "expr": ratio(FLOPS_RATE, PEAK_FLOPS)},
     ]
 

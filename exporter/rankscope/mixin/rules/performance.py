@@ -3,27 +3,36 @@ communication overhead and slow steps."""
 
 from __future__ import annotations
 
+import textwrap
+
 from rankscope.mixin.config import IMBALANCE_ALERT, Tunables, effect, sentence
 from rankscope.mixin.promql import (
     COMM_SHARE,
     COMM_SUM_RATE,
     COMPUTE_BUSY,
     COMPUTE_MEDIAN,
+    DATA_WAIT_SLOW_SHARE,
+    DATA_WAIT_STEP_SHARE,
     IMBALANCE,
+    NODE,
     ONE_PER_NODE,
     PAUSED_MAX,
     RANK,
     RUN,
+    SAMPLES_NODE_RATE,
     SAMPLES_RATE,
     STEP_BUCKET_RATE,
+    STEP_MEAN,
     STEP_QUANTILES,
     STEP_SUM_RATE,
     STEPS_RATE,
     STRAGGLER,
+    TOKENS_NODE_RATE,
     TOKENS_RATE,
     le,
     metric_name,
     num,
+    present_ratio,
     rate_by,
     ratio,
 )
@@ -37,6 +46,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
     """
     w = t.rate_window
     step = metric_name("step_duration_seconds")
+    data = metric_name("data_wait_seconds")
+    slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
     busy_median = f"quantile by ({RUN}) (0.5, {COMPUTE_BUSY})"
     slowest = f"topk by ({RUN}) (1, {COMPUTE_BUSY})"
     return [
@@ -50,10 +61,26 @@ def records(t: Tunables) -> list[dict[str, str]]:
         {"record": STEP_SUM_RATE, "expr": f"avg by ({RUN}) (rate({step}_sum{ONE_PER_NODE}[{w}]))"},
         # All ranks: a fast rank's comm time includes its waiting for the slow one.
         {"record": COMM_SUM_RATE, "expr": f"avg by ({RUN}) (rate({metric_name('comm_duration_seconds', 'sum')}[{w}]))"},
-        # Every rank counts its own share of the global batch, so the run's throughput is the sum.
-        {"record": SAMPLES_RATE, "expr": rate_by(RUN, metric_name("samples_total"), w)},
-        {"record": TOKENS_RATE, "expr": rate_by(RUN, metric_name("tokens_total"), w)},
+        # Every rank counts its own share of the global batch, so the run's throughput is the sum: each node's
+        # first (where its ranks' series are), then the run's below.
+        {"record": SAMPLES_NODE_RATE, "expr": rate_by(NODE, metric_name("samples_total"), w)},
+        {"record": TOKENS_NODE_RATE, "expr": rate_by(NODE, metric_name("tokens_total"), w)},
+        # What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
+        # one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
+        # NaN, not absent, where the rank did not step (present_ratio): the lines stay in the alerts.
+        {"record": STEP_MEAN, "expr": present_ratio(f"rate({step}_sum[{w}])", f"rate({step}_count[{w}])")},
+        {
+            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
+            "record": DATA_WAIT_SLOW_SHARE,
+            "expr": "1 - (\n"
+            + textwrap.indent(present_ratio(f"sum without (le) (rate({data}_bucket{slow}[{w}]))",
+                                            f"rate({data}_count[{w}])"), "  ")
+            + "\n)",
+        },
+        {"record": DATA_WAIT_STEP_SHARE, "expr": present_ratio(f"rate({data}_sum[{w}])", f"rate({step}_sum[{w}])")},
         # --- level 2: from level 1 only ---------------------------------------------------------------------
+        {"record": SAMPLES_RATE, "expr": f"sum by ({RUN}) ({SAMPLES_NODE_RATE})"},
+        {"record": TOKENS_RATE, "expr": f"sum by ({RUN}) ({TOKENS_NODE_RATE})"},
         *({"record": record, "expr": f"histogram_quantile({num(q)}, {STEP_BUCKET_RATE})"}
           for q, record in STEP_QUANTILES.items()),
         {"record": COMM_SHARE, "expr": ratio(COMM_SUM_RATE, STEP_SUM_RATE)},
@@ -77,9 +104,6 @@ def records(t: Tunables) -> list[dict[str, str]]:
 
 
 def alerts(t: Tunables) -> list[Alert]:
-    data = metric_name("data_wait_seconds")
-    slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
-    step = metric_name("step_duration_seconds")
     if t.slow_step_action:  # the summary's and the description's last words
         acts, said = effect(t.slow_step_action)
         slow_steps = (f"; {acts}", f" {sentence(said)}.")
@@ -98,19 +122,13 @@ def alerts(t: Tunables) -> list[Alert]:
         ),
         Alert(
             "RankscopeDataLoaderBottleneck",
-            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
-            # Each rank's own rates, in one expression: a ratio of rates taken at different times is noise,
-            # and at a 10 % line noise pages. Computed here, not recorded: nothing else reads them per rank.
-            # Matched series by series and aggregated at the end, where only the ranks over a line are left.
+            # Each rank's shares as recorded (series by series), aggregated at the end, where only the ranks over
+            # a line are left.
             f"max by ({RANK}, signal) (\n"
-            f"  label_replace(\n    1 - rate({data}_bucket{slow}[{t.rate_window}])\n"
-            f"    / ignoring (le) (rate({data}_count[{t.rate_window}]) > 0)\n    > 0.1,\n"
-            f'    "signal", "p90_wait", "", ""\n  )\n'
+            f'  label_replace({DATA_WAIT_SLOW_SHARE} > 0.1, "signal", "p90_wait", "", "")\n'
             f"  or\n"
-            f"  label_replace(\n    rate({data}_sum[{t.rate_window}])\n"
-            f"    / (rate({metric_name('step_duration_seconds', 'sum')}[{t.rate_window}]) > 0)\n"
-            f"    > {num(t.data_wait_share)},\n"
-            f'    "signal", "wait_share", "", ""\n  )\n)',
+            f'  label_replace({DATA_WAIT_STEP_SHARE} > {num(t.data_wait_share)}, "signal", "wait_share", "", "")\n'
+            f")",
             t.data_loader_for,
             t.data_loader_severity,
             "A rank waits too long for its data loader.",
@@ -132,15 +150,9 @@ def alerts(t: Tunables) -> list[Alert]:
         Alert(
             "RankscopeSlowSteps",
             # Each rank's mean step time over the window, from its own rates (the ratio of two rates taken at one
-            # time). A run that stopped stepping has no mean (its count's rate is 0): a stall, not slow steps.
+            # time). A run that stopped stepping has no mean (NaN: its count's rate is 0): a stall, not slow steps.
             # A paused run is excluded at once, as the stall alert excludes it.
-            f"max by ({RANK}) (\n"
-            f"  rate({step}_sum[{t.rate_window}])\n"
-            f"  / (rate({step}_count[{t.rate_window}]) > 0)\n"
-            f")\n"
-            f"> {num(t.slow_step_seconds)}\n"
-            f"unless on ({RUN})\n"
-            f"{PAUSED_MAX} > 0",
+            f"max by ({RANK}) ({STEP_MEAN})\n> {num(t.slow_step_seconds)}\nunless on ({RUN})\n{PAUSED_MAX} > 0",
             t.slow_step_for,
             t.slow_step_severity,
             f"Training steps are slow: a rank's mean step time is above its threshold{slow_steps[0]}.",

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.promql import CHECKPOINT_FAILED_AT, CHECKPOINT_FAILURES_MAX, RUN, counted_in_window, metric_name
+from rankscope.mixin.promql import (
+    CHECKPOINT_FAILED_AT,
+    CHECKPOINT_FAILURES_MAX,
+    LAST_CHECKPOINT_NODE_MAX,
+    NODE,
+    RUN,
+    counted_in_window,
+    metric_name,
+)
 from rankscope.mixin.rules import Alert
 
 
@@ -11,8 +19,13 @@ def records(t: Tunables) -> list[dict[str, str]]:
     """The run's checkpoint failures per reason, once per evaluation: an instant read of every rank's counter.
     The alert's three range functions over its window then read one series per run and reason instead of every
     rank's (at 4096 ranks they cost 0.98 s an evaluation over the ranks' counters). The highest rank's count is
-    the run's: a rank that fails first raises it, and one whose counter appears already at 1 does too."""
+    the run's: a rank that fails first raises it, and one whose counter appears already at 1 does too. The
+    run's last good checkpoint is the latest of its nodes' (each node's where its ranks' series are)."""
     return [
+        {
+            "record": LAST_CHECKPOINT_NODE_MAX,
+            "expr": f"max by ({NODE}) ({metric_name('last_checkpoint_timestamp_seconds')})",
+        },
         {
             "record": CHECKPOINT_FAILURES_MAX,
             "expr": f"max by ({RUN}, reason) ({metric_name('checkpoint_failures_total')})",
@@ -34,7 +47,7 @@ def alerts(t: Tunables) -> list[Alert]:
             f"({counted_in_window(CHECKPOINT_FAILURES_MAX, t.checkpoint_failure_window)}) > 0\n"
             f"unless on ({RUN})\n"
             f"(\n"
-            f"  max by ({RUN}) ({metric_name('last_checkpoint_timestamp_seconds')})\n"
+            f"  max by ({RUN}) ({LAST_CHECKPOINT_NODE_MAX})\n"
             f"  > on ({RUN})\n"
             f"  max_over_time({CHECKPOINT_FAILED_AT}[{t.checkpoint_failure_window}])\n"
             f")",

@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 from rankscope.mixin.config import Tunables, effect
-from rankscope.mixin.promql import NODE, RANK, metric_name, num
+from rankscope.mixin.promql import (
+    DEVICE_MEMORY_RATIO,
+    HOST_MEMORY_NODE_MAX,
+    NODE,
+    RANK,
+    metric_name,
+    num,
+    present_ratio,
+)
 from rankscope.mixin.rules import RANK_TEXT, Alert
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
-    return []
+    """Each node's highest host memory use and each rank's device memory share, where the node's series are: the
+    alerts compare them with their lines."""
+    device = metric_name("device_memory_bytes")
+    return [
+        {"record": HOST_MEMORY_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('host_memory_used_ratio')})"},
+        {
+            "record": DEVICE_MEMORY_RATIO,
+            "expr": present_ratio(
+                f'max by ({RANK}) ({device}{{kind="{t.device_memory_kind}"}})',
+                f'max by ({RANK}) ({device}{{kind="total"}})',
+            ),
+        },
+    ]
 
 
 def alerts(t: Tunables) -> list[Alert]:
@@ -16,7 +36,7 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeHostMemoryHigh",
-            f"max by ({NODE}) ({metric_name('host_memory_used_ratio')}) > {num(t.host_memory_ratio)}",
+            f"{HOST_MEMORY_NODE_MAX} > {num(t.host_memory_ratio)}",
             t.host_memory_for,
             t.host_memory_severity,
             f"Host memory of a training node is nearly exhausted; {memory}.",
@@ -27,10 +47,7 @@ def alerts(t: Tunables) -> list[Alert]:
         ),
         Alert(
             "RankscopeDeviceMemoryHigh",
-            f'max by ({RANK}) ({metric_name("device_memory_bytes")}{{kind="{t.device_memory_kind}"}})\n'
-            f"/\n"
-            f'(max by ({RANK}) ({metric_name("device_memory_bytes")}{{kind="total"}}) > 0)\n'
-            f"> {num(t.device_memory_ratio)}",
+            f"{DEVICE_MEMORY_RATIO} > {num(t.device_memory_ratio)}",
             t.device_memory_for,
             t.device_memory_severity,
             f"A rank's accelerator memory is nearly full; {memory}.",

@@ -6,9 +6,12 @@ from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
+    GRAD_NORM_NODE_MAX,
     LOSS_SMOOTHED,
     LOSS_WINDOW_MIN,
+    NODE,
     NONFINITE_MAX,
+    NONFINITE_NODE_MAX,
     ONE_PER_NODE,
     RUN,
     STEPS_RATE,
@@ -33,8 +36,12 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "expr": f'avg by ({RUN}) (quantile_over_time(0.5, {loss}{{split="train"}}[{t.loss_smoothing_window}]))',
         },
         {"record": LOSS_WINDOW_MIN, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_min_window}])"},
-        {"record": NONFINITE_MAX, "expr": f"max by ({RUN}) ({metric_name('nonfinite_steps_total')})"},
-        {"record": GRAD_NORM_MAX, "expr": f"max by ({RUN}) ({metric_name('grad_norm')})"},
+        # The highest rank's non-finite count and gradient norm: each node's (where its ranks' series are), then
+        # the run's from its nodes'.
+        {"record": NONFINITE_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('nonfinite_steps_total')})"},
+        {"record": GRAD_NORM_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('grad_norm')})"},
+        {"record": NONFINITE_MAX, "expr": f"max by ({RUN}) ({NONFINITE_NODE_MAX})"},
+        {"record": GRAD_NORM_MAX, "expr": f"max by ({RUN}) ({GRAD_NORM_NODE_MAX})"},
     ]
 
 
