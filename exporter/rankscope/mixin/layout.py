@@ -15,7 +15,7 @@ the sharded layouts cannot drift:
 - every other rule goes to the global server: each alert, and every recording that compares or combines
   ranks (a run's median, a count of ranks in a phase), which needs the ranks of every shard;
 - the global server federates (``match[]``) each series selector its rules read from a shard: the shard
-  recordings by name, the scraped series with the matchers the rules use (one bucket, local rank 0).
+  recordings by name, the scraped series with the matchers the rules use (local rank 0, rank 0).
 
 Only series that exist for as long as their rank serves metrics cross: a federated sample carries its
 timestamp, and Prometheus does not mark such a series stale when it vanishes from the federation (it stays
