@@ -1,8 +1,9 @@
 # The two commands of the README: `make demo` runs the stack, `make test` the tests (`make test-fast`: the quick subset).
 .PHONY: demo test test-fast lint bootstrap dashboards rules report compose-check
 
-# Long enough to watch dashboards and try the control CLI (about 0.1 s a step on 2 CPU cores: ~5 minutes).
-DEMO_STEPS ?= 3000
+# Long enough to watch dashboards and try the control CLI, and for the divergence scenario's rollback (about 0.1 s
+# a step on 2 CPU cores: ~7 minutes).
+DEMO_STEPS ?= 4000
 # The fault injected partway through (none, nonfinite, divergence, straggler, hang; see devstack/narrator.py).
 SCENARIO ?= nonfinite
 # MTLS=1: the whole loop over TLS with client certificates (throwaway CA in .stack/certs; docs/security.md).

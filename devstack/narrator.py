@@ -146,11 +146,14 @@ SCENARIOS: dict[str, Scenario] = {
     # while the first, untrained steps fill the window is too high. Measured on the demo config, 3000 steps
     # at 90 ms (the fastest here): at step 300, 9x took the loss from 0.5 to 2.5-3.2 for 1400 steps and
     # stayed under twice the minimum (1.14); at step 1200 it took it from 0.09 to 2.5, the minimum was
-    # 0.30, and the rule replayed on the log fired at step 2582 (the whole demo: applied at step 2568).
+    # 0.30, and the rule replayed on the log fired at step 2582 (the whole demo: applied at step 2568). The
+    # rollback goes back 4 minutes before the alert (its smoothing and `for`), past the spike: the fault comes
+    # that much after the start, and 40 checkpoints (every 100 steps) reach that far back.
     "divergence": Scenario(
-        ("faults.diverge.at_step=1200", "faults.diverge.lr_factor=9"),
-        "from step 1200 the learning rate is 9x too high: the loss climbs at once, RankscopeLossDiverging "
-        "fires some 2-3 minutes later (2m smoothing, then its 2m `for`) and the trainer halves the LR",
+        ("faults.diverge.at_step=1500", "faults.diverge.lr_factor=9", "checkpoint.keep=40"),
+        "from step 1500 the learning rate is 9x too high: the loss climbs at once, RankscopeLossDiverging "
+        "fires some 2-3 minutes later (2m smoothing, then its 2m `for`) and the trainer rolls back to the newest "
+        "checkpoint from before the spike and skips the data since",
     ),
     "straggler": Scenario(
         ("faults.straggler.at_step=300", "faults.straggler.rank=1", "faults.straggler.seconds=0.2"),

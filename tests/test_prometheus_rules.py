@@ -573,7 +573,7 @@ def test_overrides_reach_the_generated_rules_and_the_variant_is_valid(tmp_path):
         ("loss_change_window=30 minutes", "loss_change_window must be a Prometheus duration"),
         (
             "divergence_action=checkpoint",
-            'divergence_action must be one of reduce_lr, rollback, "" (no action) (the actions',
+            'divergence_action must be one of rollback, reduce_lr, "" (no action) (the actions',
         ),
         ("nonfinite_action=stop", 'nonfinite_action must be one of reduce_lr, rollback, "" (no action) (the actions'),
         (
@@ -608,7 +608,7 @@ def test_each_action_tunable_offers_the_catalog_actions_of_its_alerts_and_sets_o
     assert {name: config.action_choices(name) for name in config.ACTION_TUNABLES} == {
         # "" on every one: any alert may be left to the on-call person (the campaign's loop-off arm).
         "memory_action": ["checkpoint", "reduce_micro_batch", ""],
-        "divergence_action": ["reduce_lr", "rollback", ""],
+        "divergence_action": ["rollback", "reduce_lr", ""],
         "nonfinite_action": ["reduce_lr", "rollback", ""],
         "slow_step_action": ["", "reduce_micro_batch"],
         "hang_action": ["restart", ""],

@@ -142,7 +142,7 @@ def test_bad_options_are_rejected_with_the_option_named(tmp_path):
 def test_a_run_that_ends_before_the_scenarios_fault_is_refused_naming_both_steps(tmp_path):
     result = _launch(["--scenario", "divergence", "--steps", "420"], tmp_path)
     assert result.returncode == 2, result.stderr
-    assert "--steps 420 ends before the divergence scenario's fault at step 1200" in result.stderr
+    assert "--steps 420 ends before the divergence scenario's fault at step 1500" in result.stderr
     result = _launch(["--scenario", "nonfinite"], tmp_path)  # the config's 1 step
     assert result.returncode == 2, result.stderr
     assert "the config's run.max_steps 1 ends before the nonfinite scenario's fault at step 300" in result.stderr

@@ -1,7 +1,7 @@
 """Recovery actions end to end: a fault in, the real alert, the action on both ranks at the same step.
 
 - Poisoned data (faults.poison: a stretch of batches with scrambled captions) makes the loss diverge;
-  with the rules generated with `divergence_action=rollback`, RankscopeLossDiverging makes every rank
+  with the shipped `divergence_action=rollback` (the e2e pack sets reduce_lr), RankscopeLossDiverging makes every rank
   load the checkpoint from before the incident and skip the window, and the loss falls back under its
   level before the poison.
 - Host memory pressure (the memory balloon) with `memory_action=reduce_micro_batch`: every rank

@@ -81,7 +81,7 @@ ACTION_TUNABLES = {
     "memory_action": ActionChoice(
         ("RankscopeHostMemoryHigh", "RankscopeDeviceMemoryHigh"), ("checkpoint", "reduce_micro_batch")
     ),
-    "divergence_action": ActionChoice(("RankscopeLossDiverging",), ("reduce_lr", "rollback")),
+    "divergence_action": ActionChoice(("RankscopeLossDiverging",), ("rollback", "reduce_lr")),
     "nonfinite_action": ActionChoice(("RankscopeNonFiniteSteps",), ("reduce_lr", "rollback")),
     "slow_step_action": ActionChoice(("RankscopeSlowSteps",), ("", "reduce_micro_batch")),
     "hang_action": ActionChoice(("RankscopeRankHung",), ("restart", "")),
@@ -175,9 +175,12 @@ class Tunables:
     """The smoothed loss above this many times its window minimum is divergence."""
     divergence_for: str = "2m"
     divergence_severity: str = "ticket"
-    divergence_action: str = "reduce_lr"
-    """What divergence asks the trainer for: reduce_lr, or rollback (reload the newest checkpoint from before
-    the incident and skip the data after it)."""
+    divergence_action: str = "rollback"
+    """What divergence asks the trainer for: rollback (reload the newest checkpoint from before the incident and
+    skip the data after it), or reduce_lr. Rollback by default: a loss that diverged and does not come back by
+    itself (a learning-rate spike kept in the checkpoints, a broken data shard) came back under a rollback and
+    not under a halved rate in the fault campaign (benchmarks/README.md). It needs checkpoints reaching back
+    the alert's smoothing window and `for` (4 minutes) before it fires; without one it is refused and pages."""
     nonfinite_window: str = "10m"
     """Range over which non-finite steps are counted."""
     nonfinite_steps: float = 2.0
