@@ -75,8 +75,8 @@ class Control:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
 
-    def act(self, action: str, reason: str) -> None:
-        body = json.dumps({"action": action, "reason": reason}).encode()
+    def act(self, action: str, reason: str, params: dict[str, Any] | None = None) -> None:
+        body = json.dumps({"action": action, "reason": reason, **({"params": params} if params else {})}).encode()
         request = urllib.request.Request(f"{self.base}/v1/actions", data=body, headers=self.headers, method="POST")
         with urllib.request.urlopen(request, timeout=5):
             pass

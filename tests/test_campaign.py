@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from benchmarks.campaign.operator import Operator, runbook_actions
 from benchmarks.campaign.results import step_times, summarise, target_loss
 from benchmarks.campaign.schedule import KINDS, QUICK_KINDS, build_schedule
 from benchmarks.latency import Control
+from devstack.monitoring import unix_time
 from devstack.webhook import WebhookSink
 
 
@@ -97,14 +99,16 @@ def test_a_quick_schedule_plays_three_kinds_in_order_each_after_the_previous_one
 def test_the_runbook_is_the_shipped_rules_actions_and_watching_gets_nothing() -> None:
     runbook = runbook_actions()
     assert runbook["RankscopeNonFiniteSteps"] == "reduce_lr"
+    assert runbook["RankscopeLossDiverging"] == "rollback"
     assert runbook["RankscopeRankHung"] == "restart"
     assert "RankscopeSlowSteps" not in runbook  # the runbook says to watch
 
 
-def _page(pager: WebhookSink, alertname: str, status: str, run_id: str = "r-off") -> None:
+def _page(pager: WebhookSink, alertname: str, status: str, run_id: str = "r-off", **annotations: str) -> None:
     body = {"version": "4", "status": status, "alerts": [
         {"status": status, "labels": {"alertname": alertname, "run_id": run_id, "rank": "1"},
-         "fingerprint": f"fp-{alertname}", "startsAt": "2026-12-04T05:00:00Z"}]}  # fmt: skip
+         "annotations": annotations, "fingerprint": f"fp-{alertname}",
+         "startsAt": "2026-12-04T05:00:00Z"}]}  # fmt: skip
     request = urllib.request.Request(pager.url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     urllib.request.urlopen(request, timeout=5).close()
@@ -113,7 +117,7 @@ def _page(pager: WebhookSink, alertname: str, status: str, run_id: str = "r-off"
 def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the_meantime() -> None:
     pager, endpoint = WebhookSink(), WebhookSink()  # endpoint: where rank 0's control endpoint would be
     control = Control(endpoint.port, "token")
-    operator = Operator(pager, control, delay=1.0, run_id="r-off").start()
+    operator = Operator(pager, control, delay=1.0, run_id="r-off", run_log=Path("/nonexistent/log.jsonl")).start()
     try:
         paged = time.time()
         _page(pager, "RankscopeRankHung", "firing")
@@ -128,6 +132,29 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         assert answered == {"RankscopeRankHung": ("restart", "answered"),
                             "RankscopeNonFiniteSteps": ("", "resolved before the operator got to it")}  # fmt: skip
         assert len([d for d in endpoint.received() if d.path == "/v1/actions"]) == 1
+    finally:
+        operator.close()
+        pager.close()
+        endpoint.close()
+
+
+def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_incident(tmp_path: Path) -> None:
+    """Posted bare, a rollback takes the incident to be now and restores a checkpoint with the divergence in it."""
+    fired = unix_time("2026-12-04T05:00:00Z")
+    log = tmp_path / "log.jsonl"
+    trained = [(100, fired - 300), (200, fired - 250), (300, fired - 200), (150, fired - 100), (400, fired)]
+    log.write_text("".join(json.dumps({"type": "train", "step": s, "time": t}) + "\n" for s, t in trained))
+    pager, endpoint = WebhookSink(), WebhookSink()
+    operator = Operator(pager, Control(endpoint.port, "token"), delay=0.0, run_id="r-off", run_log=log).start()
+    try:
+        _page(pager, "RankscopeLossDiverging", "firing", incident_lookback_seconds="240")
+        delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
+        # 240 s before it fired the run was at step 200 (a later rollback's steps 150.. came after).
+        assert delivery.body == {
+            "action": "rollback",
+            "reason": "RankscopeLossDiverging",
+            "params": {"before_step": 200},
+        }
     finally:
         operator.close()
         pager.close()

@@ -36,6 +36,7 @@ from devstack.ports import free_port, local_ports
 from devstack.webhook import WebhookSink
 
 from .operator import Operator, OperatorAction
+from .runlog import read_records
 from .schedule import Fault
 
 __all__ = ["ARMS", "ArmRecord", "ArmSpec", "rules_for", "run_arm"]
@@ -181,7 +182,7 @@ def run_arm(
         settings.append("faults.schedule=" + json.dumps(entries))
     restarts = sum(fault.kind.restarts for fault in faults) + 1  # one spare: a restart the runner did not plan
     job = _Job(workdir, settings, ports.metrics, restarts)
-    operator = Operator(pager, control, operator_delay, run_id) if spec.operator else None
+    operator = Operator(pager, control, operator_delay, run_id, job.log_file) if spec.operator else None
     events: list[dict[str, Any]] = []
     start = time.time()
     try:
@@ -232,7 +233,7 @@ def run_arm(
     return ArmRecord(
         name=spec.name, run_id=run_id, workdir=str(workdir), max_steps=max_steps,
         started_at=job.first_start or start, ended_at=ended, exit_codes=job.exit_codes,
-        records=_records(job.log_file), pages=_pages(pager, run_id), alerts=alerts,
+        records=read_records(job.log_file), pages=_pages(pager, run_id), alerts=alerts,
         operator=operator.answered if operator else [], runner_events=events,
         ledger=json.loads(ledger_path.read_text()) if ledger_path.exists() else {},
         checkpoints=checkpoints, unreadable_checkpoints=unreadable,
@@ -251,9 +252,9 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
 
 def _trained_to_the_end(job: _Job, max_steps: int) -> bool:
     return (
-        any(r.get("type") == "finished" for r in _records(job.log_file))
+        any(r.get("type") == "finished" for r in read_records(job.log_file))
         and job.exit_codes[-1] == 0
-        or any(r.get("type") == "train" and r.get("step") == max_steps for r in _records(job.log_file))
+        or any(r.get("type") == "train" and r.get("step") == max_steps for r in read_records(job.log_file))
         and job.exit_codes[-1] == 0
     )
 
@@ -271,12 +272,6 @@ def _inject(fault: Fault, job: _Job, step: float) -> dict[str, Any]:
     else:
         raise ValueError(f"the runner does not inject {fault.kind.name}")
     return {"kind": fault.kind.name, "id": fault.id, "step": step, "time": at}
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 def _pages(pager: WebhookSink, run_id: str) -> list[dict[str, Any]]:

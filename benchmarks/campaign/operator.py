@@ -12,11 +12,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from rankscope.mixin.config import ACTION_TUNABLES, Tunables
 
 from benchmarks.latency import Control
+from devstack.monitoring import unix_time
 from devstack.webhook import WebhookSink
+
+from .runlog import read_records
 
 __all__ = ["Operator", "OperatorAction", "runbook_actions"]
 
@@ -49,8 +54,8 @@ class OperatorAction:
 class Operator:
     """Reads the pager's deliveries on a thread of its own; acts on rank 0's control endpoint."""
 
-    def __init__(self, pager: WebhookSink, control: Control, delay: float, run_id: str) -> None:
-        self.pager, self.control, self.delay, self.run_id = pager, control, delay, run_id
+    def __init__(self, pager: WebhookSink, control: Control, delay: float, run_id: str, run_log: Path) -> None:
+        self.pager, self.control, self.delay, self.run_id, self.run_log = pager, control, delay, run_id, run_log
         self.runbook = runbook_actions()
         self.answered: list[OperatorAction] = []
         self._answered_changed = threading.Condition()
@@ -100,13 +105,24 @@ class Operator:
             why = "the runbook says to watch"
         else:
             why = "answered"
-            try:
-                self.control.act(action, name)  # the endpoint records it as operator:<reason>
+            try:  # the endpoint records it as operator:<reason>
+                self.control.act(action, name, self._params(action, alert))
             except OSError as exc:  # the job may be between incarnations: nothing was posted
                 action, why = "", f"{action} not posted: the endpoint did not answer ({exc})"
         with self._answered_changed:
             self.answered.append(OperatorAction(name, labels.get("rank", ""), paged_at, time.time(), action, why))
             self._answered_changed.notify_all()
+
+    def _params(self, action: str, alert: dict) -> dict[str, Any] | None:
+        """A rollback goes to before the incident, as the runbook says: the operator reads on the loss panel
+        where it began, here the step the run log shows at the alert's startsAt less its
+        incident_lookback_seconds (what the loop's own rollback goes back to). Posted without it, the
+        endpoint would take the incident to be now, and restore the divergence it was asked to undo."""
+        if action != "rollback":
+            return None
+        began = unix_time(alert["startsAt"]) - float(alert.get("annotations", {}).get("incident_lookback_seconds", 0))
+        steps = [r["step"] for r in read_records(self.run_log) if r.get("type") == "train" and r["time"] <= began]
+        return {"before_step": steps[-1]} if steps else None
 
     def wait_answered(self, count: int, timeout: float) -> list[OperatorAction]:
         """The pages answered so far, once there are `count` of them or `timeout` seconds have passed."""
