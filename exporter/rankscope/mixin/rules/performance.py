@@ -3,8 +3,6 @@ communication overhead and slow steps."""
 
 from __future__ import annotations
 
-import textwrap
-
 from rankscope.mixin.config import IMBALANCE_ALERT, Tunables, effect, sentence
 from rankscope.mixin.promql import (
     COMM_SHARE,
@@ -32,7 +30,6 @@ from rankscope.mixin.promql import (
     le,
     metric_name,
     num,
-    present_ratio,
     rate_by,
     ratio,
 )
@@ -67,17 +64,22 @@ def records(t: Tunables) -> list[dict[str, str]]:
         {"record": TOKENS_NODE_RATE, "expr": rate_by(NODE, metric_name("tokens_total"), w)},
         # What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
         # one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
-        # NaN, not absent, where the rank did not step (present_ratio): the lines stay in the alerts.
-        {"record": STEP_MEAN, "expr": present_ratio(f"rate({step}_sum[{w}])", f"rate({step}_count[{w}])")},
+        # NaN, not absent, where the rank did not step: the lines stay in the alerts. A histogram's sum and any
+        # bucket move only with its count, so a plain ratio of them is NaN (0/0) there, never +Inf: no second
+        # pass over every rank (present_ratio) is needed for these two.
+        {"record": STEP_MEAN, "expr": f"rate({step}_sum[{w}])\n/\nrate({step}_count[{w}])"},
         {
             # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
             "record": DATA_WAIT_SLOW_SHARE,
-            "expr": "1 - (\n"
-            + textwrap.indent(present_ratio(f"sum without (le) (rate({data}_bucket{slow}[{w}]))",
-                                            f"rate({data}_count[{w}])"), "  ")
-            + "\n)",
+            "expr": f"1 - sum without (le) (rate({data}_bucket{slow}[{w}]))\n/\nrate({data}_count[{w}])",
         },
-        {"record": DATA_WAIT_STEP_SHARE, "expr": present_ratio(f"rate({data}_sum[{w}])", f"rate({step}_sum[{w}])")},
+        # Data wait can grow while no step ends (x/0: +Inf). `% +Inf` keeps a finite share and makes +Inf NaN
+        # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
+        # whole ratio at 4096 ranks (benchmarks.scale).
+        {
+            "record": DATA_WAIT_STEP_SHARE,
+            "expr": f"(\n  rate({data}_sum[{w}])\n  /\n  rate({step}_sum[{w}])\n)\n% +Inf",
+        },
         # --- level 2: from level 1 only ---------------------------------------------------------------------
         {"record": SAMPLES_RATE, "expr": f"sum by ({RUN}) ({SAMPLES_NODE_RATE})"},
         {"record": TOKENS_RATE, "expr": f"sum by ({RUN}) ({TOKENS_NODE_RATE})"},
