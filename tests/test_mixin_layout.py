@@ -138,6 +138,15 @@ def test_selectors_are_read_as_written_and_strings_durations_and_functions_are_n
     assert Selector("a").covers(Selector("a", ('le="0.1"',))) and not Selector("a", ('le="1"',)).covers(Selector("a"))
 
 
+def test_number_literals_in_any_case_are_not_series() -> None:
+    # PromQL reads Inf and NaN in any case; the data-wait share's `% +Inf` was taken for a series named Inf.
+    assert selectors("(rate(a_sum[2m]) / rate(b_sum[2m])) % +Inf > NaN or c * nan") == {
+        Selector("a_sum"),
+        Selector("b_sum"),
+        Selector("c"),
+    }
+
+
 def test_the_committed_sharded_layout_is_the_commands_output_byte_for_byte(tmp_path) -> None:
     assert cli.main(["--layout", "sharded", "--out", str(tmp_path)]) == 0
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())

@@ -171,7 +171,7 @@ def _scan(expr: str) -> tuple[list[Selector], list[tuple[str, tuple[str, ...]]]]
                 if after is None or after.group() not in ("by", "without"):
                     clauses.append(("by", ()))  # aggregates every series into one
             continue
-        if word in _KEYWORDS:
+        if word.lower() in _KEYWORDS:  # PromQL reads Inf and NaN in any case
             continue
         rest = expr[i:].lstrip()
         if rest.startswith("("):  # a function call
