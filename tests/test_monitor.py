@@ -259,15 +259,15 @@ def test_null_monitor_clips_with_torch():
     assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) <= 0.5 + 1e-5
 
 
-def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+def _bulk_and_one_by_one_pages(make_child, values: list[float]) -> list[str]:
+    """The page of `make_child(registry)` after observe_all(values), and after observing each value."""
+    from prometheus_client import CollectorRegistry, generate_latest
     from rankscope.instruments import observe_all
 
-    values = [0.0, 1.0, 1.0, 2.5, 7.0, 7.0, 7.0, 100.0, 1e9, float("inf"), -3.0]
     pages = []
     for bulk in (True, False):
         registry = CollectorRegistry()
-        child = Histogram("h", "help", registry=registry, buckets=(1.0, 2.5, 7.0, 50.0))
+        child = make_child(registry)
         if bulk:
             observe_all(child, values)
         else:
@@ -275,26 +275,26 @@ def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
                 child.observe(v)
         page = generate_latest(registry).decode()
         pages.append("\n".join(line for line in page.splitlines() if "_created" not in line))
+    return pages
+
+
+def test_observing_a_tensor_gives_the_same_histogram_as_observing_each_value():
+    from prometheus_client import Histogram
+
+    values = [0.0, 1.0, 1.0, 2.5, 7.0, 7.0, 7.0, 100.0, 1e9, float("inf"), -3.0]
+    pages = _bulk_and_one_by_one_pages(
+        lambda registry: Histogram("h", "help", registry=registry, buckets=(1.0, 2.5, 7.0, 50.0)), values
+    )
     assert pages[0] == pages[1]
     assert 'h_bucket{le="7.0"} 8.0' in pages[0]  # cumulative: -3, 0, 1, 1, 2.5 and three 7s
 
 
 def test_observing_a_tensor_gives_the_same_summary_as_observing_each_value():
-    from prometheus_client import CollectorRegistry, Summary, generate_latest
-    from rankscope.instruments import observe_all
+    from prometheus_client import Summary
 
-    values = [0.0, 1.0, 2.5, 7.0, 1e9, -3.0]
-    pages = []
-    for bulk in (True, False):
-        registry = CollectorRegistry()
-        child = Summary("s", "help", registry=registry)
-        if bulk:
-            observe_all(child, values)
-        else:
-            for v in values:
-                child.observe(v)
-        page = generate_latest(registry).decode()
-        pages.append("\n".join(line for line in page.splitlines() if "_created" not in line))
+    pages = _bulk_and_one_by_one_pages(
+        lambda registry: Summary("s", "help", registry=registry), [0.0, 1.0, 2.5, 7.0, 1e9, -3.0]
+    )
     assert pages[0] == pages[1]
     assert "s_count 6.0" in pages[0]
 
