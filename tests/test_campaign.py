@@ -234,3 +234,31 @@ def test_the_checkpoints_kept_reach_back_past_a_divergences_smoothing_and_for() 
     from benchmarks.campaign.__main__ import CHECKPOINT_SECONDS, kept_checkpoints
 
     assert (kept_checkpoints() - 1) * CHECKPOINT_SECONDS >= 4 * 60
+
+
+def test_resume_needs_the_campaigns_own_folder_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A campaign spans several sessions only by going on with the same calibration and schedule: another
+    folder, or other faults, seed or delay, would mix arms of two campaigns in one table."""
+    from benchmarks.campaign.__main__ import PLAN_FILE, main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--resume", "--workdir", str(tmp_path / "nothing-here")])
+    assert exited.value.code == 2
+    assert "--resume needs the --workdir of an earlier campaign (its plan.json)" in capsys.readouterr().err
+    plan = {"kinds": ["nonfinite", "hang_data", "slow_checkpoint"], "seed": 31, "operator_delay": 30.0,
+            "rule_settings": [], "step_seconds": 0.05, "memory_line": 0.2}  # fmt: skip
+    (tmp_path / PLAN_FILE).write_text(json.dumps(plan))
+    with pytest.raises(SystemExit) as exited:
+        main(["--resume", "--workdir", str(tmp_path), "--quick", "--operator-delay", "30", "--seed", "7"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("not the campaign in " + str(tmp_path) + ": seed 7 (the campaign's: 31)"), error
+
+
+def test_an_arms_record_reads_back_as_it_was_written() -> None:
+    from benchmarks.campaign.operator import OperatorAction
+
+    record = _arm("off", [_train(1, 1.0)], ended=2.0)
+    record.operator = [OperatorAction("RankscopeRankHung", "1", 1.0, 301.0, "restart", "answered")]
+    again = ArmRecord.from_json(json.loads(json.dumps(record.to_json())))
+    assert again == record

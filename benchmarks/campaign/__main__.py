@@ -49,6 +49,8 @@ VALIDATION_SECONDS = 30.0
 #: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, a
 #: smoothing window (2m) before the alert went pending, itself a `for` (2m) before it fired; plus a minute.
 ROLLBACK_REACH_SECONDS = 300.0
+#: The calibration and what the schedule was built from, written at the start: `--resume` goes on from it.
+PLAN_FILE = "plan.json"
 #: Steps after the last fault's span, so the run ends on training, not on an incident.
 TAIL_STEPS = 60
 CALIBRATION_STEPS = 60
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the pack, e.g. --set divergence_action=rollback")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the table's figures and the raw records here")
     parser.add_argument("--workdir", type=Path, help="keep every run's files here (default: a temporary folder)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the campaign in --workdir: its calibration and schedule, the arms it "
+                             "finished; an arm it was in the middle of runs again (its files kept aside)")  # fmt: skip
     args = parser.parse_args(argv)
     # A SIGTERM (a CI timeout, a kill) unwinds like Ctrl-C: every arm's finally stops its trainer and servers,
     # instead of leaving them running with nobody to stop them. The handler found is put back on the way out.
@@ -226,8 +231,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     unknown = [k for k in chosen if k not in known]
     if unknown:  # before the calibration run: a typo fails in a second, not minutes in
         parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
-        parser.error(f"--workdir {args.workdir} is not empty: give a new folder (each run's files are kept there)")
+    if args.resume and (args.workdir is None or not (args.workdir / PLAN_FILE).exists()):
+        parser.error(f"--resume needs the --workdir of an earlier campaign (its {PLAN_FILE}); none given or none there")
+    if not args.resume and args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        parser.error(f"--workdir {args.workdir} is not empty: give a new folder (each run's files are kept there), "
+                     "or --resume the campaign in it")  # fmt: skip
     kinds = chosen or (QUICK_KINDS if args.quick else FULL_KINDS)
 
     with tempfile.TemporaryDirectory(prefix="rankscope-campaign-") as scratch:
@@ -238,11 +246,27 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             except StackError as exc:
                 parser.error(f"--set: {exc}")
         print(machine_line(), flush=True)
-        step_seconds = _calibrate(workdir, ())
-        # The host-memory line: the shipped 85 % says nothing on a mostly idle machine, so where the memory fault
-        # plays, every arm's rules draw it MEMORY_MARGIN above what the machine uses now, and the balloon grows
-        # twice that (stated in the table).
-        memory_line = round(psutil.virtual_memory().percent / 100 + MEMORY_MARGIN / psutil.virtual_memory().total, 3)
+        asked = {"kinds": list(kinds), "seed": args.seed, "operator_delay": args.operator_delay,
+                 "rule_settings": list(args.rule_settings)}  # fmt: skip
+        if args.resume:
+            plan = json.loads((workdir / PLAN_FILE).read_text())
+            differ = [
+                f"{key} {value!r} (the campaign's: {plan[key]!r})" for key, value in asked.items() if plan[key] != value
+            ]
+            if differ:
+                parser.error(f"--resume: not the campaign in {workdir}: {'; '.join(differ)}")
+            step_seconds, memory_line = plan["step_seconds"], plan["memory_line"]
+            print(f"campaign: resumed from {workdir / PLAN_FILE}", flush=True)
+        else:
+            step_seconds = _calibrate(workdir, ())
+            # The host-memory line: the shipped 85 % says nothing on a mostly idle machine, so where the memory
+            # fault plays, every arm's rules draw it MEMORY_MARGIN above what the machine uses now, and the balloon
+            # grows twice that (stated in the table).
+            memory_line = round(
+                psutil.virtual_memory().percent / 100 + MEMORY_MARGIN / psutil.virtual_memory().total, 3
+            )
+            plan = {**asked, "step_seconds": step_seconds, "memory_line": memory_line}
+            (workdir / PLAN_FILE).write_text(json.dumps(plan, indent=1))
         extra_rules = (*args.rule_settings, *((f"host_memory_ratio={memory_line}",) if "memory" in kinds else ()))
         checkpoint_every, val_every = cadence(step_seconds)
         print(f"campaign: calibration: {step_seconds * 1000:.0f} ms per step; a checkpoint every {checkpoint_every} "
@@ -270,6 +294,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             rules_for(workdir / "preflight" / name, (*ARMS[name].rule_settings, *extra_rules))
         records: dict[str, ArmRecord] = {}
         for name in arms:
+            finished = workdir / f"{name}.json"
+            if args.resume and finished.exists():
+                records[name] = ArmRecord.from_json(json.loads(finished.read_text()))
+                print(f"campaign: {name} as run before ({finished})", flush=True)
+                continue
+            if (workdir / name).exists():  # an arm cut off midway: its files kept aside, the arm run again
+                (workdir / name).rename(workdir / f"{name}-interrupted-{int(time.time())}")
             began = time.time()
             records[name] = run_arm(ARMS[name], schedule, workdir=workdir / name, max_steps=max_steps,
                                     operator_delay=args.operator_delay, extra_rules=extra_rules,
