@@ -71,8 +71,8 @@ KINDS: tuple[Kind, ...] = (
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "data"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
     # The learning rate 4x too high, kept in every checkpoint after it: the loss does not come back by itself.
-    # The shipped action halves the rate; the alert fires again (its action's window over) while it still
-    # diverges, so two halvings may be needed.
+    # The shipped action rolls back to a checkpoint from before the spike (its lookback: the loss's smoothing and
+    # the alert's `for`); with --set divergence_action=reduce_lr the rate is halved instead, again while it diverges.
     Kind("diverge", "the learning rate 4x too high (kept in checkpoints)", "RankscopeLossDiverging", False,
          trainer={"kind": "diverge", "lr_factor": 4.0}, detect_seconds=240, effect_seconds=300),
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
