@@ -138,3 +138,15 @@ def test_the_batch_cost_metrics_help_says_how_they_are_recorded():
     assert MonitorConfig().step_peak_memory is False
     assert (sequence.kind, sequence.unit) == (MetricKind.GAUGE, "tokens")
     assert (peak.kind, peak.unit) == (MetricKind.GAUGE, "bytes")
+
+
+def test_a_summary_has_sum_and_count_series_and_no_buckets_for_rules_and_panels_alike():
+    from rankscope.mixin.dashboards.panels import m
+    from rankscope.mixin.promql import metric_name
+
+    for name_of in (metric_name, m):
+        assert name_of("checkpoint_duration_seconds", "sum") == "rankscope_checkpoint_duration_seconds_sum"
+        with pytest.raises(ValueError, match="is a summary, it has no _bucket series"):
+            name_of("checkpoint_duration_seconds", "bucket")
+        with pytest.raises(ValueError, match="is a gauge, it has no _sum series"):
+            name_of("paused", "sum")

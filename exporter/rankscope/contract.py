@@ -122,6 +122,13 @@ class MetricSpec:
             return (f"{self.name}_sum", f"{self.name}_count")
         return (self.name,)
 
+    def series(self, part: str) -> str:
+        """The name of this family's ``bucket``/``sum``/``count`` series (ValueError where it has none)."""
+        name = f"{self.name}_{part}"
+        if name not in self.series_names:
+            raise ValueError(f"{self.name} is a {self.kind.value}, it has no _{part} series")
+        return name
+
     @property
     def client_name(self) -> str:
         """The name prometheus_client wants (it appends ``_total``/``_info``)."""

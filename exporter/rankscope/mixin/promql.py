@@ -30,13 +30,9 @@ ONE_PER_NODE = '{local_rank="0"}'
 
 def metric_name(short: str, series: str = "") -> str:
     """A contract metric's exposed name (KeyError naming it if the contract has no such metric);
-    `series` picks ``bucket``/``sum``/``count`` of a histogram."""
+    `series` picks ``bucket``/``sum``/``count`` of a histogram (``sum``/``count`` of a summary)."""
     spec = contract.metric(short)
-    if not series:
-        return spec.name
-    if spec.kind is not contract.MetricKind.HISTOGRAM:
-        raise ValueError(f"{spec.name} is a {spec.kind.value}, it has no _{series} series")
-    return f"{spec.name}_{series}"
+    return spec.series(series) if series else spec.name
 
 
 def num(value: float) -> str:

@@ -99,11 +99,7 @@ def m(name: str, series: str = "") -> str:
     a histogram (``sum``/``count`` of a summary)."""
     full = name if name.startswith(PREFIX) else PREFIX + name
     spec = _TRAINER.get(full) or metric(name)
-    if series:
-        if f"{spec.name}_{series}" not in spec.series_names:
-            raise ValueError(f"{spec.name} is a {spec.kind.value}, it has no _{series} series")
-        return f"{spec.name}_{series}"
-    return spec.name
+    return spec.series(series) if series else spec.name
 
 
 def quantile(q: float, name: str, by: str = "", sel: str = RANK_SEL) -> str:
