@@ -26,13 +26,22 @@ def _rules(groups: dict) -> list[dict]:
     return [rule for group in groups.values() for rule in group["rules"]]
 
 
+def _words(expr: str) -> str:
+    return " ".join(expr.replace("(", " ( ").replace(")", " ) ").split())
+
+
 @pytest.mark.parametrize("t", TUNINGS)
 def test_every_alert_lands_on_the_global_server_as_on_one_server(t: Tunables) -> None:
     layout = split(t)
     on_global = {rule["alert"]: rule for rule in _rules(layout.global_groups) if "alert" in rule}
     assert not [rule for rule in _rules(layout.shard_groups) if "alert" in rule]
+    single = {rule["alert"]: rule for area in rules.areas(t) for rule in area.rules(t) if "alert" in rule}
+    inline = rules.shard_expressions(t)
     for alert in rules.alerts(t):
         assert on_global[alert.name] == alert.to_rule(t)
+        # One server computes the shard records where the global server reads them: the same expression.
+        assert {**on_global[alert.name], "expr": ""} == {**single[alert.name], "expr": ""}
+        assert _words(rules.inlined(on_global[alert.name]["expr"], inline)) == _words(single[alert.name]["expr"])
     assert sorted(on_global) == sorted(alert.name for alert in rules.alerts(t))
 
 
@@ -46,8 +55,44 @@ def test_every_recording_rule_lands_on_exactly_one_server_unchanged_in_the_same_
         for rule in group["rules"]
         if "record" in rule
     ]
-    single = [(area.group, rule["record"], rule["expr"]) for area in rules.areas(t) for rule in area.records(t)]
-    assert sorted(placed) == sorted(single)
+    sharded = [(a.group, rule["record"], rule["expr"]) for a in rules.areas(t) for rule in a.sharded_records(t)]
+    assert sorted(placed) == sorted(sharded)
+    # One server records the same, less the shard records (read inline there).
+    single = {rule["record"] for area in rules.areas(t) for rule in area.records(t)}
+    assert single == {record for _, record, _ in placed} - set(rules.shard_expressions(t))
+    assert set(rules.shard_expressions(t)) <= layout.shard_records
+
+
+def test_one_server_records_no_per_rank_ratio_that_only_alerts_read() -> None:
+    # Recording a ratio for each of 4096 ranks writes 12 k samples per evaluation, more than the two alerts that
+    # compare the same ratios with their lines cost (benchmarks.scale): one server computes them inside the alerts.
+    t = Tunables()
+    single = {rule["record"] for area in rules.areas(t) for rule in area.records(t)}
+    ratios = {
+        "run_rank:rankscope_step_duration_seconds:mean",
+        "run_rank:rankscope_data_wait_seconds:slow_share",
+        "run_rank:rankscope_data_wait_seconds:step_share",
+    }
+    assert not single & ratios
+    assert ratios <= split(t).shard_records
+    read = {s.name for area in rules.areas(t) for rule in area.rules(t) for s in selectors(rule["expr"])}
+    assert not read & ratios
+    assert {"rankscope_step_duration_seconds_count", "rankscope_data_wait_seconds_bucket"} <= read
+
+
+def test_an_inlined_record_keeps_its_parentheses_and_a_read_with_matchers_or_a_range_is_refused() -> None:
+    inline = {"a:b:c": "x\n/\ny"}
+    assert rules.inlined("max by (r) (a:b:c) > 1", inline) == "max by (r) (\n  x\n  /\n  y\n) > 1"
+    assert rules.inlined("a:b:c > 1 or a:b:cd", inline) == "(\n  x\n  /\n  y\n) > 1 or a:b:cd"
+    for expr in ('a:b:c{rank="0"}', "rate(a:b:c[5m])"):
+        with pytest.raises(ValueError, match="only a plain read can be inlined"):
+            rules.inlined(expr, inline)
+
+
+def test_promtool_unit_tests_of_the_shard_records_pass() -> None:
+    tests = REPO / "prometheus" / "tests" / "sharded" / "shard_test.yml"
+    result = subprocess.run([binary("promtool"), "test", "rules", str(tests)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("t", TUNINGS)

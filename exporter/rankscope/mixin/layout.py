@@ -242,7 +242,7 @@ def split(t: Tunables) -> ShardedLayout:
     for area in areas(t):  # in dependency order: a record's inputs are placed before it
         shard_rules: list[dict[str, Any]] = []
         global_rules: list[dict[str, Any]] = []
-        for rule in area.records(t):
+        for rule in area.sharded_records(t):
             if shard_can(rule):
                 shard_rules.append(rule)
                 on_shard.add(rule["record"])

@@ -5,7 +5,12 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
 :class:`~rankscope.mixin.config.Tunables`:
 
 - ``records(t) -> list[dict]``: the group's recording rules, in dependency order;
-- ``alerts(t) -> list[Alert]``: its alerts, evaluated after its records in the same pass.
+- ``alerts(t) -> list[Alert]``: its alerts, evaluated after its records in the same pass;
+- optionally ``shard_records(t) -> list[dict]``: per-rank values that only the sharded layout records (on its
+  shards, so that the global server federates one series per rank where its rules would read several). One
+  server computes each inside the rules that read it instead: recording a value for every rank writes
+  thousands of samples per evaluation, which at 4096 ranks costs more than the alerts that read it
+  (benchmarks.scale). Both layouts evaluate the same expression, so the alerts are the same.
 
 Areas are found by listing this package (modules starting with ``_`` are skipped), and the groups are
 ordered so that a group comes after every group whose recorded series it reads. Prometheus evaluates
@@ -23,8 +28,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -33,7 +39,7 @@ from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import RUN, RUN_ENDED, recorded_names
 
-__all__ = ["Alert", "Area", "alerts", "areas", "groups", "recording_rules", "render"]
+__all__ = ["Alert", "Area", "alerts", "areas", "groups", "inlined", "recording_rules", "render", "shard_expressions"]
 
 #: The prefix of every group's name.
 GROUP_PREFIX = "rankscope."
@@ -93,13 +99,58 @@ class Area:
         return f"{self.name}.yml"
 
     def records(self, t: Tunables) -> list[dict[str, str]]:
-        return list(self.module.records(t))
+        """The recording rules one server evaluates (each reads its shard records inline)."""
+        inline = shard_expressions(t)
+        return [{**rule, "expr": inlined(rule["expr"], inline)} for rule in self.module.records(t)]
+
+    def shard_records(self, t: Tunables) -> list[dict[str, str]]:
+        """The recording rules only the sharded layout's shards evaluate (read only scraped series)."""
+        return list(getattr(self.module, "shard_records", lambda _: [])(t))
 
     def alerts(self, t: Tunables) -> list[Alert]:
         return list(self.module.alerts(t))
 
+    def sharded_records(self, t: Tunables) -> list[dict[str, str]]:
+        """The recording rules of the sharded layout: the shard records first (they read only scraped series),
+        then the others as written, reading the shard records by name."""
+        return self.shard_records(t) + list(self.module.records(t))
+
     def rules(self, t: Tunables) -> list[dict[str, Any]]:
-        return self.records(t) + [alert.to_rule(t) for alert in self.alerts(t)]
+        """The group's rules on one server."""
+        inline = shard_expressions(t)
+        return self.records(t) + [_inlined_alert(alert, inline).to_rule(t) for alert in self.alerts(t)]
+
+
+def shard_expressions(t: Tunables) -> dict[str, str]:
+    """Every shard record's name -> its expression."""
+    return {rule["record"]: rule["expr"] for area in _modules() for rule in area.shard_records(t)}
+
+
+def inlined(expr: str, inline: dict[str, str]) -> str:
+    """`expr` with each series name of `inline` replaced by its expression, in parentheses (its own, or those
+    the name stands in), indented under its line. A name read with matchers or over a range has no expression
+    to stand for it: refused."""
+    for name, body in inline.items():
+        expr = _inline_one(expr, name, body)
+    return expr
+
+
+def _inline_one(expr: str, name: str, body: str) -> str:
+    def replace(match: re.Match[str]) -> str:
+        if expr[match.end() :].lstrip()[:1] in ("{", "["):
+            raise ValueError(f"{name} is read with matchers or a range; only a plain read can be inlined: {expr!r}")
+        line = expr[expr.rfind("\n", 0, match.start()) + 1 :]
+        margin = line[: len(line) - len(line.lstrip())]
+        inner = f"(\n{textwrap.indent(body, margin + '  ')}\n{margin})"
+        if match[1] and match[2]:  # it stands in parentheses already
+            return inner
+        return f"{match[1] or ''}{inner}{match[2] or ''}"
+
+    return re.sub(rf"(?<![\w:])(\(\s*)?{re.escape(name)}(?![\w:])(\s*\))?", replace, expr)
+
+
+def _inlined_alert(alert: Alert, inline: dict[str, str]) -> Alert:
+    return replace(alert, expr=inlined(alert.expr, inline))
 
 
 @cache

@@ -43,8 +43,6 @@ def records(t: Tunables) -> list[dict[str, str]]:
     """
     w = t.rate_window
     step = metric_name("step_duration_seconds")
-    data = metric_name("data_wait_seconds")
-    slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
     busy_median = f"quantile by ({RUN}) (0.5, {COMPUTE_BUSY})"
     slowest = f"topk by ({RUN}) (1, {COMPUTE_BUSY})"
     return [
@@ -62,24 +60,6 @@ def records(t: Tunables) -> list[dict[str, str]]:
         # first (where its ranks' series are), then the run's below.
         {"record": SAMPLES_NODE_RATE, "expr": rate_by(NODE, metric_name("samples_total"), w)},
         {"record": TOKENS_NODE_RATE, "expr": rate_by(NODE, metric_name("tokens_total"), w)},
-        # What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
-        # one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
-        # NaN, not absent, where the rank did not step: the lines stay in the alerts. A histogram's sum and any
-        # bucket move only with its count, so a plain ratio of them is NaN (0/0) there, never +Inf: no second
-        # pass over every rank (present_ratio) is needed for these two.
-        {"record": STEP_MEAN, "expr": f"rate({step}_sum[{w}])\n/\nrate({step}_count[{w}])"},
-        {
-            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
-            "record": DATA_WAIT_SLOW_SHARE,
-            "expr": f"1 - sum without (le) (rate({data}_bucket{slow}[{w}]))\n/\nrate({data}_count[{w}])",
-        },
-        # Data wait can grow while no step ends (x/0: +Inf). `% +Inf` keeps a finite share and makes +Inf NaN
-        # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
-        # whole ratio at 4096 ranks (benchmarks.scale).
-        {
-            "record": DATA_WAIT_STEP_SHARE,
-            "expr": f"(\n  rate({data}_sum[{w}])\n  /\n  rate({step}_sum[{w}])\n)\n% +Inf",
-        },
         # --- level 2: from level 1 only ---------------------------------------------------------------------
         {"record": SAMPLES_RATE, "expr": f"sum by ({RUN}) ({SAMPLES_NODE_RATE})"},
         {"record": TOKENS_RATE, "expr": f"sum by ({RUN}) ({TOKENS_NODE_RATE})"},
@@ -102,6 +82,37 @@ def records(t: Tunables) -> list[dict[str, str]]:
         # --- level 3: dashboards only ----------------------------------------------------------------------
         # The slowest rank over the median one is the straggler's ratio: read from it, not from every rank again.
         {"record": IMBALANCE, "expr": f"max by ({RUN}) ({STRAGGLER})"},
+    ]  # fmt: skip
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
+    one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
+
+    Recorded on the sharded layout's shards only, where the global server federates one ratio per rank instead
+    of the five rates' series; one server computes them inside the two alerts (rankscope.mixin.rules). NaN, not
+    absent, where the rank did not step: the lines stay in the alerts. A histogram's sum and any bucket move
+    only with its count, so a plain ratio of them is NaN (0/0) there, never +Inf: no second pass over every
+    rank (present_ratio) is needed for these two.
+    """
+    w = t.rate_window
+    step = metric_name("step_duration_seconds")
+    data = metric_name("data_wait_seconds")
+    slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
+    return [
+        {"record": STEP_MEAN, "expr": f"rate({step}_sum[{w}])\n/\nrate({step}_count[{w}])"},
+        {
+            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
+            "record": DATA_WAIT_SLOW_SHARE,
+            "expr": f"1 - sum without (le) (rate({data}_bucket{slow}[{w}]))\n/\nrate({data}_count[{w}])",
+        },
+        # Data wait can grow while no step ends (x/0: +Inf). `% +Inf` keeps a finite share and makes +Inf NaN
+        # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
+        # whole ratio at 4096 ranks (benchmarks.scale).
+        {
+            "record": DATA_WAIT_STEP_SHARE,
+            "expr": f"(\n  rate({data}_sum[{w}])\n  /\n  rate({step}_sum[{w}])\n)\n% +Inf",
+        },
     ]  # fmt: skip
 
 
