@@ -45,6 +45,7 @@ alert's 30 minutes, also see only `--duration` seconds of data here).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--page", type=Path, help="a rank's page captured before (skips the training)")
     parser.add_argument("--page-age", type=float, default=3.0, help="seconds of training --page's counters hold")
     parser.add_argument("--uniform", action="store_true", help="every simulated rank alike (no scenarios)")
+    parser.add_argument("--json", type=Path, help="write every measurement (each rule's time too) here")
     args = parser.parse_args(argv)
     SCENARIOS[0] = not args.uniform
     ranks, duration = ([4096], 30.0) if args.quick else (sorted(args.ranks), args.duration)
@@ -484,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"interval, {found['missed']:.0f} missed, {found['rss_bytes'] / 2**20:.0f} MiB",
                         flush=True,
                     )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
     _report(results)
     for found in results:
         _budget_table(found, get_median)
