@@ -45,7 +45,10 @@ def torchrun(
     """
     # PYTHONFAULTHANDLER: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python
     # stack to the log first, so a crash in a CI run can be read from its output.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    # The caller's PYTHONPATH is kept after the repo: a run from a snapshot of the tree puts the snapshot's
+    # packages there, ahead of the editable install's.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     env.update(extra_env or {})
     cmd = [
         sys.executable,
