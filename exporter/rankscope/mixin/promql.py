@@ -151,7 +151,7 @@ HANG_STALLED = f"run:{metric_name('last_step_timestamp_seconds')}:stalled_second
 HANG_EXCUSED_AT = f"run:{metric_name('phase')}:hang_excused_timestamp_seconds"
 HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
 #: The latest step of any rank of a run (0 before the first step).
-LAST_STEP_MAX = f"run:{metric_name('last_step_timestamp_seconds')}:max"
+LAST_STEP_AGE = f"run:{metric_name('last_step_timestamp_seconds')}:age_seconds"
 #: How many ranks of a run are in each phase (label `phase`: the index as text).
 PHASE_RANKS = f"run:{metric_name('phase')}:ranks_by_phase"
 #: The most and the fewest collectives a rank of the run has started (summed over mesh dimensions).

@@ -35,7 +35,7 @@ from rankscope.mixin.promql import (
     HANG_STEP_SECONDS,
     HANG_SUSPECTS,
     HANG_THRESHOLD,
-    LAST_STEP_MAX,
+    LAST_STEP_AGE,
     ONE_PER_NODE,
     PHASE_RANKS,
     RANK,
@@ -92,7 +92,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).
-    maybe_hung = f"({LAST_STEP_MAX} > 0 < time() - {num(t.hang_floor_seconds)})"
+    maybe_hung = f"({LAST_STEP_AGE} > {num(t.hang_floor_seconds)})"
+    since_excused = f"(time() - max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]))"
     return [
         {
             # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
@@ -104,14 +105,20 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"/\n"
             f"(sum by ({RUN}) (rate({step}_count{ONE_PER_NODE}[{t.hang_step_window}])) > 0)",
         },
-        # 0 until a rank of the run completed a step (then above 0: the max of the ranks that have).
-        {"record": LAST_STEP_MAX, "expr": f"max by ({RUN}) ({last_step})"},
+        {
+            # How old the run's last step was when its ranks were last scraped: the newest evidence, never the age
+            # of the scrape (between two 15 s scrapes a healthy run's newest sample is up to 15 s old, more than
+            # the 8 s floor). Absent until a rank of the run completed a step (0: start-up, the first step). A
+            # hang is seen at the first scrape past the threshold, at most a scrape interval after it began.
+            "record": LAST_STEP_AGE,
+            "expr": f"min by ({RUN}) (timestamp({last_step}) - ({last_step} > 0))",
+        },
         {
             "record": HANG_THRESHOLD,
             "expr": f"clamp_min(last_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
             f"{num(t.hang_step_multiple)}, {num(t.hang_floor_seconds)})\n"
             f"or on ({RUN})\n"
-            f"({LAST_STEP_MAX} * 0 + {num(t.hang_floor_seconds)})",
+            f"({LAST_STEP_AGE} * 0 + {num(t.hang_floor_seconds)})",
         },
         {
             # A run with a rank checkpointing or validating within its limit, or paused, is not hung. Valued the
@@ -123,15 +130,13 @@ def records(t: Tunables) -> list[dict[str, str]]:
         },
         {
             # From the last activity; absent until the run's ranks completed a step (start-up, the first step).
-            # max(last step, last excused) where a step was completed: each side where it is the larger, or alone.
+            # The smaller of the last step's age (as last scraped) and the time since the run was last excused.
             "record": HANG_STALLED,
-            "expr": f"time() - (\n"
-            f"  ({LAST_STEP_MAX} > 0 >= on ({RUN}) max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]))\n"
-            f"  or on ({RUN})\n"
-            f"  (max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]) > on ({RUN}) ({LAST_STEP_MAX} > 0))\n"
-            f"  or on ({RUN})\n"
-            f"  ({LAST_STEP_MAX} > 0)\n"
-            f")",
+            "expr": f"({LAST_STEP_AGE} <= on ({RUN}) {since_excused})\n"
+            f"or on ({RUN})\n"
+            f"({since_excused} < on ({RUN}) {LAST_STEP_AGE})\n"
+            f"or on ({RUN})\n"
+            f"{LAST_STEP_AGE}",
         },
         # What the suspects compare each rank with, one read of the phase and two of the counts for every run.
         {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {phase})'},
