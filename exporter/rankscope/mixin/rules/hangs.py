@@ -110,8 +110,9 @@ def records(t: Tunables) -> list[dict[str, str]]:
             # of the scrape (between two 15 s scrapes a healthy run's newest sample is up to 15 s old, more than
             # the 8 s floor). Absent until a rank of the run completed a step (0: start-up, the first step). A
             # hang is seen at the first scrape past the threshold, at most a scrape interval after it began.
+            # Every rank completes every step, so ranks are at most a step apart: one rank per node stands for all.
             "record": LAST_STEP_AGE,
-            "expr": f"min by ({RUN}) (timestamp({last_step}) - ({last_step} > 0))",
+            "expr": f"min by ({RUN}) (timestamp({last_step}{ONE_PER_NODE}) - ({last_step}{ONE_PER_NODE} > 0))",
         },
         {
             "record": HANG_THRESHOLD,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import (
+    ONE_PER_NODE,
     PAUSED_MAX,
     RANK,
     RANK_FINISHED_AT,
@@ -26,7 +27,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
     info = metric_name("run_info")
     lookback = num(duration_seconds(t.rank_down_lookback))
     return [
-        {"record": PAUSED_MAX, "expr": f"max by ({RUN}) ({metric_name('paused')})"},
+        # A pause is applied on every rank at the same step: one rank per node stands for all.
+        {"record": PAUSED_MAX, "expr": f"max by ({RUN}) ({metric_name('paused')}{ONE_PER_NODE})"},
         # 0 while a rank that served metrics within the window says it is running, 1 when every such rank said
         # it finished, absent when none served any. A range, not an instant read: after a restart Prometheus
         # writes no staleness markers for targets gone meanwhile, and their last samples read as present for 5m.
@@ -67,7 +69,9 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeRunStalled",
-            f"time() - max by ({RUN}) ({metric_name('last_step_timestamp_seconds')} > 0) > {num(t.stall_seconds)}\n"
+            # Every rank completes every step (ranks are at most a step apart): one rank per node stands for all.
+            f"time() - max by ({RUN}) ({metric_name('last_step_timestamp_seconds')}{ONE_PER_NODE} > 0) "
+            f"> {num(t.stall_seconds)}\n"
             f"unless on ({RUN})\n"
             f"{PAUSED_MAX} > 0",
             t.stall_for,

@@ -7,6 +7,7 @@ from rankscope.mixin.promql import (
     DEVICE_MEMORY_RATIO,
     HOST_MEMORY_NODE_MAX,
     NODE,
+    ONE_PER_NODE,
     RANK,
     metric_name,
     num,
@@ -20,7 +21,11 @@ def records(t: Tunables) -> list[dict[str, str]]:
     alerts compare them with their lines."""
     device = metric_name("device_memory_bytes")
     return [
-        {"record": HOST_MEMORY_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('host_memory_used_ratio')})"},
+        # The host's memory in use (psutil), the same on every rank of a node: one rank per node reads it.
+        {
+            "record": HOST_MEMORY_NODE_MAX,
+            "expr": f"max by ({NODE}) ({metric_name('host_memory_used_ratio')}{ONE_PER_NODE})",
+        },
         {
             "record": DEVICE_MEMORY_RATIO,
             "expr": present_ratio(
