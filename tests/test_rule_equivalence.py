@@ -83,6 +83,7 @@ CHANGED_ON_PURPOSE = {
     "RankscopeLossDiverging": "12d1d52: smoothed with the median, not the mean (a burst of poisoned data)",
     "RankscopeRankImbalance": "the slowest rank over the other ranks' median, not all's (2 ranks: 2x read 1.33x)",
     "RankscopeRankHung": "the last step's age when scraped, not at evaluation (15 s scrapes paged healthy runs)",
+    "RankscopeSlowSteps": "local rank 0 of each node stands for its ranks (DDP: every rank's step is as long)",
 }
 
 
