@@ -26,8 +26,8 @@ CHECKPOINT_EVERY = 20
 HANG_AT = 31
 LOST = HANG_AT - 1 - CHECKPOINT_EVERY
 #: Goals at 1 s intervals (issue 31): the alert within 10 s of the hang with the shipped threshold (its 8 s
-#: floor, then the evaluation a second later at most; these runs' steps are far below a tenth of it); the
-#: restart within 90 s.
+#: floor, then the scrape that shows the last step older than it and the evaluation after it, a second each at
+#: most; these runs' steps are far below a tenth of it); the restart within 90 s.
 ALERT_GOAL_SECONDS = 10.0
 #: The healthy run's slow save: longer than the floor, so the gap it leaves before the next step is tested too.
 SLOW_SAVE_SECONDS = 15.0
