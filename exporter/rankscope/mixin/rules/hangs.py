@@ -88,7 +88,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
     started = metric_name("phase_started_timestamp_seconds")
     step = metric_name("step_duration_seconds")
     last_step = metric_name("last_step_timestamp_seconds")
-    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')} > 0)"]
+    # A pause is applied on every rank at one step: one rank per node stands for all.
+    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).

@@ -115,8 +115,11 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
         # whole ratio at 4096 ranks (benchmarks.scale).
         {
+            # The step time of local rank 0 of the rank's node: every rank's step is as long under DDP (the highest
+            # where a node has several local ranks 0: one process per container).
             "record": DATA_WAIT_STEP_SHARE,
-            "expr": f"(\n  rate({data}_sum[{w}])\n  /\n  rate({step}_sum[{w}])\n)\n% +Inf",
+            "expr": f"(\n  rate({data}_sum[{w}])\n  / on ({NODE}) group_left ()\n"
+            f"  max by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))\n)\n% +Inf",
         },
     ]  # fmt: skip
 
