@@ -172,7 +172,12 @@ class Tunables:
     half-size micro-batches; the reference trainer checkpoints first). Choices: :func:`action_choices`."""
 
     divergence_factor: float = 2.0
-    """The smoothed loss above this many times its window minimum is divergence."""
+    """The smoothed loss above this many times its window minimum is divergence..."""
+    divergence_min_increase: float = 0.1
+    """...when it is also this much above that minimum, in the loss's own units. A loss near zero doubles by
+    noise (a converged run's median went from 0.0012 to 0.0025 in the fault campaign, and a rollback would have
+    thrown away training that was fine). 0 judges by the factor alone: set it below your loss's scale where the
+    loss is small by construction (a regression on tiny targets)."""
     divergence_for: str = "2m"
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"
@@ -338,6 +343,7 @@ class Tunables:
                      "hang_checkpoint_limit_seconds", "hang_validation_limit_seconds"):  # fmt: skip
             check_range(name, getattr(self, name), gt=0)
         check_range("nonfinite_steps", self.nonfinite_steps, ge=0)
+        check_range("divergence_min_increase", self.divergence_min_increase, ge=0)
         for f in fields(self):
             if f.name.endswith("_severity") and getattr(self, f.name) not in SEVERITIES:
                 raise ValueError(f"{f.name} must be one of {', '.join(SEVERITIES)}, got {getattr(self, f.name)!r}")

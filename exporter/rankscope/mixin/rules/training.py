@@ -52,7 +52,8 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeLossDiverging",
-            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_WINDOW_MIN}\nand {LOSS_WINDOW_MIN} > 0",
+            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_WINDOW_MIN}\nand {LOSS_WINDOW_MIN} > 0\n"
+            f"and {LOSS_SMOOTHED} - {LOSS_WINDOW_MIN} > {num(t.divergence_min_increase)}",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
