@@ -109,7 +109,9 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         {
             # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
             "record": DATA_WAIT_SLOW_SHARE,
-            "expr": f"1 - sum without (le) (rate({data}_bucket{slow}[{w}]))\n/\nrate({data}_count[{w}])",
+            # `ignoring (le)` drops the bucket's `le` in the one match, where `sum without (le)` grouped every rank
+            # first (a second pass over the ranks).
+            "expr": f"1 - rate({data}_bucket{slow}[{w}])\n/ ignoring (le)\nrate({data}_count[{w}])",
         },
         # Data wait can grow while no step ends (x/0: +Inf). `% +Inf` keeps a finite share and makes +Inf NaN
         # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
