@@ -99,8 +99,11 @@ class Loop:
         return path
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        found = [(int(p.name.split("_")[1]), p) for p in self.out.glob("ckpt_*") if (p / "meta.json").is_file()]
-        return sorted(found)
+        """(step, path) of every complete checkpoint, in the order they were written (the last is the newest).
+        Not by step: after a rollback, a checkpoint of a higher step can be from the timeline it left."""
+        found = [p for p in self.out.glob("ckpt_*") if (p / "meta.json").is_file()]
+        found.sort(key=lambda p: ((p / "meta.json").stat().st_mtime_ns, int(p.name.split("_")[1])))
+        return [(int(p.name.split("_")[1]), p) for p in found]
 
     def load(self, path: Path) -> dict:
         """Load a sharded checkpoint on every rank (each reads the shards it needs)."""

@@ -296,3 +296,19 @@ def test_the_fsdp2_loop_carries_out_every_action_on_both_ranks_and_resumes_from_
         assert resumed.steps(1)[before_resume]["step"] == last + 1  # went on from the newest checkpoint
     finally:
         resumed.close()
+
+
+def test_the_fsdp2_loop_resumes_from_the_checkpoint_written_last_not_the_highest_step(tmp_path):
+    # A micro-batch change checkpoints at its step (17); a rollback then goes back to step 8 and a stop saves at
+    # step 16. The newest checkpoint is step 16's: step 17's is the timeline the rollback left (a resume from it
+    # went on at 18, the FSDP2 test's intermittent failure).
+    spec = importlib.util.spec_from_file_location("fsdp2_loop", REPO / "examples" / "fsdp2_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for step in (8, 17, 16):
+        (tmp_path / f"ckpt_{step:08d}").mkdir()
+        (tmp_path / f"ckpt_{step:08d}" / "meta.json").write_text(json.dumps({"step": step}))
+        time.sleep(0.01)  # written in this order, each later than the one before
+    loop = module.Loop.__new__(module.Loop)
+    loop.out = tmp_path
+    assert [step for step, _ in loop.complete_checkpoints()] == [8, 17, 16]
