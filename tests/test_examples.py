@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -305,10 +306,12 @@ def test_the_fsdp2_loop_resumes_from_the_checkpoint_written_last_not_the_highest
     spec = importlib.util.spec_from_file_location("fsdp2_loop", REPO / "examples" / "fsdp2_loop.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for step in (8, 17, 16):
-        (tmp_path / f"ckpt_{step:08d}").mkdir()
-        (tmp_path / f"ckpt_{step:08d}" / "meta.json").write_text(json.dumps({"step": step}))
-        time.sleep(0.01)  # written in this order, each later than the one before
+    for order, step in enumerate((8, 17, 16)):
+        meta = tmp_path / f"ckpt_{step:08d}" / "meta.json"
+        meta.parent.mkdir()
+        meta.write_text(json.dumps({"step": step}))
+        # Written in this order, a second apart (set, not slept: a file system may keep whole seconds).
+        os.utime(meta, ns=(10**9 * (1000 + order),) * 2)
     loop = module.Loop.__new__(module.Loop)
     loop.out = tmp_path
     assert [step for step, _ in loop.complete_checkpoints()] == [8, 17, 16]
