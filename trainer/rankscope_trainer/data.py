@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import multiprocessing
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -54,9 +55,27 @@ __all__ = [
     "image_transform",
     "read_manifest",
     "settle_bad_samples",
+    "worker_context",
 ]
 
 logger = logging.getLogger("rankscope_trainer")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How the training loader starts its workers: from a fork server, never by forking the rank.
+
+    A rank runs threads (the metrics server, the control endpoint, the goodput ledger, gloo's). A worker
+    forked from it inherits every lock one of them holds at that instant, held for ever: a module another
+    thread is importing, a stream it is writing. That worker never returns a batch, and the job hangs
+    before its first step (seen in a 2-rank run; tests/test_trainer_data_workers.py reproduces it). The
+    fork server is a fresh interpreter that has imported this module (torch with it), so each worker
+    starts in milliseconds and with no lock held. The data are the same: the sampler runs in the rank
+    and each worker's seed comes from the loader's generator, whatever starts the worker.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
 
 # ImageNet statistics: the usual choice for encoders trained from scratch on natural-ish images.
 IMAGE_MEAN = (0.485, 0.456, 0.406)
@@ -462,6 +481,7 @@ def build_data(
             drop_last=True,  # equal batches on every rank and every step
             persistent_workers=workers > 0,
             pin_memory=pin_memory,
+            multiprocessing_context=worker_context() if workers > 0 else None,
             # torchrun sends SIGTERM to the rank's whole process group: the rank checkpoints and stops
             # its workers itself, so they must not die of it first (and take the rank down with them).
             worker_init_fn=ignore_stop_signals,
