@@ -9,8 +9,11 @@ module that another thread is importing while the workers start, and that the wo
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import threading
 
+import psutil
 import pytest
 import torch
 from rankscope_trainer.config import DataConfig, SyntheticConfig
@@ -18,10 +21,13 @@ from rankscope_trainer.data import build_data, worker_context
 from torch.utils.data import DataLoader, Dataset
 
 from tests import import_gate
+from tests.support import REPO
 
 #: Seconds a worker may take for one item before the loader gives up: the failure this test detects,
 #: never reached by a worker that is not blocked (each item takes milliseconds).
 BLOCKED_AFTER_SECONDS = 60
+#: A worker sees its rank end at once (`rankscope.control.WorkerInit`); the rest is margin for a loaded machine.
+WORKERS_GONE_WITHIN_SECONDS = 60
 
 
 class ImportsTheGatedModule(Dataset):
@@ -70,3 +76,33 @@ def test_the_training_loader_starts_its_workers_that_way_and_yields_what_in_proc
     _, in_process = batches(num_workers=0)
     assert len(with_workers) == len(in_process) == 4
     assert all(torch.equal(a, b) for a, b in zip(with_workers, in_process, strict=True))
+
+
+RANK = """
+import os, sys
+from rankscope_trainer.config import DataConfig, SyntheticConfig
+from rankscope_trainer.data import build_data
+cfg = DataConfig(batch_size=2, num_workers=2, synthetic=SyntheticConfig(train_size=64, val_size=4, image_size=24))
+batches = iter(build_data(cfg, image_size=24, seed=0, rank=0, world_size=1).train_loader)
+next(batches)
+print(" ".join(str(w.pid) for w in batches._workers), flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_rank_killed_with_sigkill_leaves_no_worker_behind() -> None:
+    """The workers end with their rank: a fork server's worker is the server's child, and the server
+    outlives a rank killed with SIGKILL; a worker that outlived its rank would hold its memory for ever."""
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, text=True
+    )
+    try:
+        workers = [psutil.Process(int(pid)) for pid in rank.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(workers) == 2
+    finally:
+        rank.kill()
+        rank.wait()
+    _, alive = psutil.wait_procs(workers, timeout=WORKERS_GONE_WITHIN_SECONDS)
+    for process in alive:
+        process.kill()
+    assert not alive, f"workers {[p.pid for p in alive]} outlived their rank"

@@ -25,6 +25,7 @@ import csv
 import json
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 from PIL import Image, ImageDraw
-from rankscope.control import ignore_stop_signals
+from rankscope.control import WorkerInit
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import transforms
 
@@ -67,13 +68,16 @@ def worker_context() -> multiprocessing.context.BaseContext:
     A rank runs threads (the metrics server, the control endpoint, the goodput ledger, gloo's). A worker
     forked from it inherits every lock one of them holds at that instant, held for ever: a module another
     thread is importing, a stream it is writing. That worker never returns a batch, and the job hangs
-    before its first step (seen in a 2-rank run; tests/test_trainer_data_workers.py reproduces it). The
-    fork server is a fresh interpreter that has imported this module (torch with it), so each worker
-    starts in milliseconds and with no lock held. The data are the same: the sampler runs in the rank
-    and each worker's seed comes from the loader's generator, whatever starts the worker.
+    before its first step (seen in a 2-rank run; tests/test_trainer_data_workers.py reproduces it).
+    The fork server is a fresh interpreter that imports this module (and torch) once, started here, as
+    the data are built, so that its start-up overlaps the model's; each worker is then forked from it in
+    milliseconds (`spawn` would import torch again in every worker, and the first batch would wait for
+    it). The loader's `WorkerInit` ends the workers with their rank. The data are the same: the sampler
+    runs in the rank and each worker's seed comes from the loader's generator, whatever starts the worker.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
+    multiprocessing.forkserver.ensure_running()
     return context
 
 
@@ -483,8 +487,9 @@ def build_data(
             pin_memory=pin_memory,
             multiprocessing_context=worker_context() if workers > 0 else None,
             # torchrun sends SIGTERM to the rank's whole process group: the rank checkpoints and stops
-            # its workers itself, so they must not die of it first (and take the rank down with them).
-            worker_init_fn=ignore_stop_signals,
+            # its workers itself, so they must not die of it first (and take the rank down with them);
+            # and they end with the rank, however it ended.
+            worker_init_fn=WorkerInit(),
             # Own generator: creating an iterator then never draws from the global RNG, so resuming
             # mid-epoch leaves the RNG exactly where the uninterrupted run had it.
             generator=torch.Generator().manual_seed(seed),

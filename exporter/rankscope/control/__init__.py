@@ -20,8 +20,9 @@ Public API: :class:`ControlChannel`, :class:`ControlConfig`,
 contract (:class:`RollbackRequest`, :class:`RollbackDone`, :class:`MicroBatchChange`, :class:`ActionUnavailable`),
 and for embedding
 the endpoint elsewhere :func:`create_app` / :class:`AppDeps` /
-:func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`; :func:`ignore_stop_signals`
-for DataLoader workers started with spawn/forkserver; :func:`init_restartable_process_group` (or
+:func:`serve_control`, :class:`ActionQueue` and :class:`RunSnapshot`; :class:`WorkerInit` (and
+:func:`ignore_stop_signals`) for DataLoader workers started with spawn/forkserver;
+:func:`init_restartable_process_group` (or
 :func:`attempt_store`) for a process group that torchrun can restart after `restart`.
 """
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # at run time each name is imported on first use: the CLI nee
     from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
     from rankscope.control.rendezvous import attempt_store, init_restartable_process_group
     from rankscope.control.state import ActionQueue, RunSnapshot
-    from rankscope.control.stops import ignore_stop_signals
+    from rankscope.control.stops import WorkerInit, ignore_stop_signals
 
 _WHERE = {
     "ACTIONS": ".actions",
@@ -68,6 +69,7 @@ _WHERE = {
     "init_restartable_process_group": ".rendezvous",
     "ActionQueue": ".state",
     "RunSnapshot": ".state",
+    "WorkerInit": ".stops",
     "ignore_stop_signals": ".stops",
 }
 
@@ -87,6 +89,7 @@ __all__ = [
     "RollbackDone",
     "RollbackRequest",
     "RunSnapshot",
+    "WorkerInit",
     "attempt_store",
     "create_app",
     "ignore_stop_signals",

@@ -16,11 +16,12 @@ before (asyncio's) still gets every byte; forked children (DataLoader workers) d
 
 DataLoader workers forked from the rank inherit the handler; in them it does nothing (the rank
 decides), so the SIGTERM that torchrun sends to the whole process group no longer kills them.
-Workers started with `spawn` or `forkserver` do not inherit it: call :func:`ignore_stop_signals`
-from their `worker_init_fn`. Workers that ignore SIGTERM cannot be ended by the SIGTERM that
-multiprocessing sends its daemon children at interpreter exit, so a rank that an exception ends
-(a lost peer, a bug) before its DataLoader shut them down would wait on them forever: at exit,
-the rank's daemon children get multiprocessing's SIGTERM, then SIGKILL after a second.
+Workers started with `spawn` or `forkserver` do not inherit it: pass `worker_init_fn=WorkerInit()`
+(created in the rank), which ignores the stop signals and ends a forkserver's worker with its rank.
+Workers that ignore SIGTERM cannot be ended by the SIGTERM that multiprocessing sends its daemon
+children at interpreter exit, so a rank that an exception ends (a lost peer, a bug) before its
+DataLoader shut them down would wait on them forever: at exit, the rank's daemon children get
+multiprocessing's SIGTERM, then SIGKILL after a second.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import atexit
 import contextlib
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import threading
@@ -36,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SignalWatcher", "StopSignals", "ignore_stop_signals"]
+__all__ = ["SignalWatcher", "StopSignals", "WorkerInit", "ignore_stop_signals"]
 
 #: The signals noted, in the order of `StopSignals.flags()`.
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
@@ -50,6 +52,54 @@ def ignore_stop_signals(*_: Any) -> None:
     Usable as `DataLoader(..., worker_init_fn=ignore_stop_signals)`."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+class WorkerInit:
+    """A DataLoader `worker_init_fn` for workers that are not forked from the rank (`spawn`, `forkserver`).
+
+    Create it in the rank (`DataLoader(..., worker_init_fn=WorkerInit())`): each worker ignores SIGTERM and
+    SIGINT (:func:`ignore_stop_signals`) and ends when the rank that created it does, however the rank
+    ended. A `forkserver` worker needs the second: it is the server's child, so torch's check that a
+    worker's parent is alive watches the server, which outlives a rank killed with SIGKILL, and the worker
+    would wait on its queue for ever, holding its memory.
+    """
+
+    def __init__(self) -> None:
+        self.rank_pid = os.getpid()
+
+    def __call__(self, worker_id: int = 0) -> None:
+        ignore_stop_signals()
+        _exit_with(self.rank_pid)
+
+
+def _exit_with(pid: int) -> None:
+    """End this process (at once: it is a worker whose work is gone) when process `pid` ends."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):  # no pidfd (not Linux, or a kernel before 5.3): ask every second
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])  # readable once the process has ended
+        else:
+            while _alive(pid):
+                time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="rankscope-rank-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class StopSignals:
