@@ -292,7 +292,8 @@ class Tunables:
 
     stall_seconds: float = 600.0
     """No completed step for this long, while the ranks are scraped, is a stalled run (RankscopeRunStalled, the
-    catch-all: kept for loops without phase tracking; inhibited while RankscopeRankHung fires)."""
+    catch-all: kept for loops without phase tracking; inhibited while RankscopeRankHung fires). Before the first
+    step: ranks inside it with no phase change for this long."""
     stall_for: str = "1m"
     stall_severity: str = "page"
     rank_down_for: str = "2m"

@@ -19,8 +19,8 @@ A paused run, a checkpoint or validation within its own limit (``hang_checkpoint
 incarnation's first step (no step completed yet: ``rankscope_last_step_timestamp_seconds`` is 0) and a run
 that still completes steps never fire it. Its value is the time since the run's last activity: its last step
 or, where later, the last evaluation that found it excused (the end of that phase, to within an interval).
-`RankscopeRunStalled` (liveness) stays as the catch-all for loops that serve no phase; Alertmanager inhibits
-it while this alert fires.
+`RankscopeRunStalled` (liveness) stays as the catch-all for loops that serve no phase and for a first step
+that never ends (after ``stall_seconds`` with no phase change); Alertmanager inhibits it while this alert fires.
 """
 
 from __future__ import annotations

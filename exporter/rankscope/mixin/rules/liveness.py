@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rankscope.contract import PHASES
 from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import (
@@ -17,6 +18,9 @@ from rankscope.mixin.promql import (
     num,
 )
 from rankscope.mixin.rules import RANK_TEXT, Alert
+
+#: The phases of a step lie between these two (rankscope.contract.PHASES): data wait, compute, collective.
+_STEP_BOUNDARY, _CHECKPOINT = PHASES.index("step_boundary"), PHASES.index("checkpoint")
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
@@ -66,12 +70,23 @@ def records(t: Tunables) -> list[dict[str, str]]:
 
 
 def alerts(t: Tunables) -> list[Alert]:
+    last_step = f"{metric_name('last_step_timestamp_seconds')}{ONE_PER_NODE}"
+    started = f"{metric_name('phase_started_timestamp_seconds')}{ONE_PER_NODE}"
+    phase = f"{metric_name('phase')}{ONE_PER_NODE}"
     return [
         Alert(
             "RankscopeRunStalled",
             # Every rank completes every step (ranks are at most a step apart): one rank per node stands for all.
-            f"time() - max by ({RUN}) ({metric_name('last_step_timestamp_seconds')}{ONE_PER_NODE} > 0) "
-            f"> {num(t.stall_seconds)}\n"
+            f"(\n"
+            f"  time() - max by ({RUN}) ({last_step} > 0) > {num(t.stall_seconds)}\n"
+            f"  or\n"
+            # Before the first step: ranks inside it (reading data, computing, in a collective) with no phase change
+            # for as long. A rank still loading its model is idle, not in a step, and not counted.
+            f"  time() - max by ({RUN}) ({started} and on ({RANK}) ({phase} > {_STEP_BOUNDARY} < {_CHECKPOINT}))\n"
+            f"  > {num(t.stall_seconds)}\n"
+            f"  unless on ({RUN})\n"
+            f"  ({last_step} > 0)\n"
+            f")\n"
             f"unless on ({RUN})\n"
             f"{PAUSED_MAX} > 0",
             t.stall_for,
