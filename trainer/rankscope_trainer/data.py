@@ -25,7 +25,6 @@ import csv
 import json
 import logging
 import multiprocessing
-import multiprocessing.forkserver
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -69,16 +68,23 @@ def worker_context() -> multiprocessing.context.BaseContext:
     forked from it inherits every lock one of them holds at that instant, held for ever: a module another
     thread is importing, a stream it is writing. That worker never returns a batch, and the job hangs
     before its first step (seen in a 2-rank run; tests/test_trainer_data_workers.py reproduces it).
-    The fork server is a fresh interpreter that imports this module (and torch) once, started here, as
-    the data are built, so that its start-up overlaps the model's; each worker is then forked from it in
-    milliseconds (`spawn` would import torch again in every worker, and the first batch would wait for
-    it). The loader's `WorkerInit` ends the workers with their rank. The data are the same: the sampler
-    runs in the rank and each worker's seed comes from the loader's generator, whatever starts the worker.
+    The fork server is a fresh interpreter that imports this module (torch with it) once; each worker is
+    then forked from it in milliseconds (`spawn` would import torch again in every worker). The server is
+    started and waited for here, as the data are built: those seconds are the run's start-up, not its
+    first batch's wait for data. The loader's `WorkerInit` ends the workers with their rank. The data
+    are the same: the sampler runs in the rank and each worker's seed comes from the loader's generator,
+    whatever starts the worker.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    multiprocessing.forkserver.ensure_running()
+    ready = context.Process(target=_nothing, name="rankscope-forkserver-ready")
+    ready.start()  # returns once the server, its preload imported, has forked it
+    ready.join()
     return context
+
+
+def _nothing() -> None:
+    """The process that shows the fork server ready."""
 
 
 # ImageNet statistics: the usual choice for encoders trained from scratch on natural-ish images.
