@@ -65,7 +65,7 @@ RULE_SETTINGS = (
     "imbalance_for=5s",
     "rate_window=5s",
     "loss_smoothing_window=5s",
-    "loss_min_window=5m",
+    "loss_baseline_window=5m",
     "data_wait_p90_seconds=0.5",
     # The divergence scenarios check the rate path (its once-only halving and recovery); the shipped rollback
     # is test_recovery.py's (it retunes to it, with checkpoints kept far enough back).

@@ -60,10 +60,10 @@ def test_a_diverging_loss_is_acted_on_by_both_ranks_through_victoriametrics_and_
         sel = f'run_id="{st.run_id}"'
         st.wait(lambda: len(st.query(f"rankscope_global_step{{{sel}}} > 0")) == 2, "both ranks stored", 60)
         caught_up = (
-            f"run:rankscope_loss:window_min{{{sel}}} and on (run_id) abs(run:rankscope_loss:smoothed{{{sel}}}"
+            f"run:rankscope_loss:window_median{{{sel}}} and on (run_id) abs(run:rankscope_loss:smoothed{{{sel}}}"
             f' - on (run_id) avg by (run_id) (rankscope_loss{{{sel}, split="train"}})) < 0.05'
         )
-        st.wait(lambda: st.query(caught_up), "the recorded loss and its minimum to catch up", 120)
+        st.wait(lambda: st.query(caught_up), "the recorded loss and its baseline to catch up", 120)
     st.wait_for_firing("RankscopeLossDiverging", timeout=180)
     (applied,) = st.wait(lambda: st.settled("reduce_lr"), "reduce_lr to be applied", timeout=30)
     assert (applied["source"], applied["reason"]) == ("alert", "alert:RankscopeLossDiverging"), applied

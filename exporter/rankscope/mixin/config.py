@@ -151,8 +151,8 @@ class Tunables:
     """Range for rate() and histogram quantiles; keep it >= 4 scrape intervals."""
     loss_smoothing_window: str = "2m"
     """The loss's median over this range is compared, so a noisy batch or a short spike cannot fire."""
-    loss_min_window: str = "30m"
-    """Divergence compares the smoothed loss with its minimum over this range."""
+    loss_baseline_window: str = "30m"
+    """Divergence compares the smoothed loss with its median over this range (its baseline)."""
     loss_change_window: str = "30m"
     """Sliding window of the loss's rate of change (the least-squares slope of the smoothed loss, per 1000
     steps, relative to its mean level); the plateau alert waits until a run has reported loss this long."""
@@ -172,12 +172,14 @@ class Tunables:
     half-size micro-batches; the reference trainer checkpoints first). Choices: :func:`action_choices`."""
 
     divergence_factor: float = 2.0
-    """The smoothed loss above this many times its window minimum is divergence..."""
-    divergence_min_increase: float = 0.1
-    """...when it is also this much above that minimum, in the loss's own units. A loss near zero doubles by
-    noise (a converged run's median went from 0.0012 to 0.0025 in the fault campaign, and a rollback would have
-    thrown away training that was fine). 0 judges by the factor alone: set it below your loss's scale where the
-    loss is small by construction (a regression on tiny targets)."""
+    """The smoothed loss above this many times its baseline (its median over loss_baseline_window) is
+    divergence. The baseline is the loss's typical level, not its lowest: near zero a loss's lowest dip is
+    noise, and a converged run whose median went from a dip of 0.0012 to 0.0025 was twice its minimum (the
+    fault campaign's fault-free run, and the loop rolled back training that was fine), but not its median."""
+    divergence_min_increase: float = 0.0
+    """...when it is also this much above the baseline, in the loss's own units (0: the factor alone). An
+    absolute margin is tied to one loss's scale: 0.1 missed a learning-rate spike that took a converged
+    loss from 0.002 to 0.09 for minutes in the fault campaign."""
     divergence_for: str = "2m"
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"

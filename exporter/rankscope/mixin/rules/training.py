@@ -8,7 +8,7 @@ from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
     GRAD_NORM_NODE_MAX,
     LOSS_SMOOTHED,
-    LOSS_WINDOW_MIN,
+    LOSS_BASELINE,
     NODE,
     NONFINITE_MAX,
     NONFINITE_NODE_MAX,
@@ -24,7 +24,7 @@ from rankscope.mixin.rules import Alert
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
-    """The run's smoothed loss and its window minimum, and per-run values the alerts read: every rank's series
+    """The run's smoothed loss and its baseline, and per-run values the alerts read: every rank's series
     is read once per evaluation instead of once per alert."""
     loss = metric_name("loss")
     return [
@@ -35,7 +35,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "record": LOSS_SMOOTHED,
             "expr": f'avg by ({RUN}) (quantile_over_time(0.5, {loss}{{split="train"}}[{t.loss_smoothing_window}]))',
         },
-        {"record": LOSS_WINDOW_MIN, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_min_window}])"},
+        # The baseline divergence compares with: the smoothed loss's typical level, not its lowest dip.
+        {"record": LOSS_BASELINE, "expr": f"quantile_over_time(0.5, {LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
         # The highest rank's non-finite count and gradient norm: each node's (where its ranks' series are), then
         # the run's from its nodes'.
         {"record": NONFINITE_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('nonfinite_steps_total')})"},
@@ -52,14 +53,14 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeLossDiverging",
-            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_WINDOW_MIN}\nand {LOSS_WINDOW_MIN} > 0\n"
-            f"and {LOSS_SMOOTHED} - {LOSS_WINDOW_MIN} > {num(t.divergence_min_increase)}",
+            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\nand {LOSS_BASELINE} > 0\n"
+            f"and {LOSS_SMOOTHED} - {LOSS_BASELINE} > {num(t.divergence_min_increase)}",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
             "The training loss of run {{ $labels.run_id }} (all ranks, the median over "
             f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
-            f"{num(t.divergence_factor)}x its minimum over the last {t.loss_min_window}, for {t.divergence_for}. "
+            f"{num(t.divergence_factor)}x its median over the last {t.loss_baseline_window}, for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
             t.divergence_action,
             # A rollback goes back to before the loss's median began to climb: Prometheus sends the time the
