@@ -47,7 +47,7 @@ CHECKPOINT_SECONDS = 15.0
 #: A validation every this many seconds of training (the time-to-target's resolution).
 VALIDATION_SECONDS = 30.0
 #: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, a
-#: smoothing window (2m) before the alert went pending, itself a `for` (2m) before it fired; plus a minute.
+#: smoothing window (2m) before the alert went pending, itself a `for` (1m) before it fired; plus two minutes.
 ROLLBACK_REACH_SECONDS = 300.0
 #: The calibration and what the schedule was built from, written at the start: `--resume` goes on from it.
 PLAN_FILE = "plan.json"

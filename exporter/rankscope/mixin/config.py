@@ -180,7 +180,7 @@ class Tunables:
     """...when it is also this much above the baseline, in the loss's own units (0: the factor alone). An
     absolute margin is tied to one loss's scale: 0.1 missed a learning-rate spike that took a converged
     loss from 0.002 to 0.09 for minutes in the fault campaign."""
-    divergence_for: str = "2m"
+    divergence_for: str = "1m"
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"
     """What divergence asks the trainer for: rollback (reload the newest checkpoint from before the incident and
