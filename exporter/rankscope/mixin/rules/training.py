@@ -7,8 +7,8 @@ from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
     GRAD_NORM_NODE_MAX,
-    LOSS_SMOOTHED,
     LOSS_BASELINE,
+    LOSS_SMOOTHED,
     NODE,
     NONFINITE_MAX,
     NONFINITE_NODE_MAX,
