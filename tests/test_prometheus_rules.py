@@ -328,7 +328,7 @@ def _variant(t, name: str):  # noqa: ANN001, ANN202 - the generator's Tunables
     elif isinstance(value, str):
         candidates = ["7m", "8m", "reserved", "info", "ticket", *config.ACTIONS, ""]
     else:
-        candidates = [value * 1.5, value * 0.5]
+        candidates = [value * 1.5, value * 0.5, value + 1]  # + 1: a tunable that is 0 by default
     for candidate in (c for c in candidates if c != value):
         try:
             return replace(t, **{name: candidate})

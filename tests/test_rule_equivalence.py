@@ -80,9 +80,11 @@ def _dependency_order(paths: list[Path]) -> list[str]:
 #: Alerts whose meaning was changed on purpose since OLD_REVISION, and by which commit: left out of the comparison
 #: (their own promtool tests pin the new meaning).
 CHANGED_ON_PURPOSE = {
-    "RankscopeLossDiverging": "12d1d52: smoothed with the median, not the mean (a burst of poisoned data)",
+    "RankscopeLossDiverging": "smoothed with the median, not the mean (12d1d52); compared with its 30m median, not "
+    "its minimum, for 1m (a missed learning-rate spike)",
     "RankscopeRankImbalance": "the slowest rank over the other ranks' median, not all's (2 ranks: 2x read 1.33x)",
     "RankscopeRankHung": "the last step's age when scraped, not at evaluation (15 s scrapes paged healthy runs)",
+    "RankscopeRunStalled": "also a first step that never ends (no phase change for stall_seconds; nothing fired)",
     "RankscopeSlowSteps": "local rank 0 of each node stands for its ranks (DDP: every rank's step is as long)",
 }
 

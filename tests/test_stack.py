@@ -189,6 +189,11 @@ def test_the_stack_scrapes_both_ranks_and_sigint_stops_every_process_it_started(
         token = tmp_path / "stack" / "control-token"
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
 
+        # Ctrl-C once it trains: before its first step a rank has nothing to checkpoint (the ranks serve metrics,
+        # and are up, while they still build their model and data).
+        run_log = tmp_path / "stack" / "log.jsonl"
+        wait_for(lambda: run_log.exists() and '"type": "train"' in run_log.read_text(), 300, "a trained step",
+                 lambda: log_path.read_text()[-4000:])  # fmt: skip
         os.kill(launcher.pid, signal.SIGINT)
         assert launcher.wait(timeout=120) == 0, log_path.read_text()[-4000:]
         _, alive = psutil.wait_procs(started, timeout=10)
