@@ -96,6 +96,19 @@ def test_a_quick_schedule_plays_three_kinds_in_order_each_after_the_previous_one
     assert {k.name for k in KINDS} >= set(QUICK_KINDS)
 
 
+def test_a_poisoned_stretch_outlasts_its_alerts_detection_at_the_measured_pace() -> None:
+    # A broken shard, not a few batches the model shrugs off: 400 batches (13 s at 32 ms) were over, and
+    # recovered from, before the divergence rule could see them. It lasts the detection and a minute more.
+    for step_seconds in (0.032, 0.1):
+        poison, after = build_schedule(("poison", "nonfinite"), step_seconds=step_seconds, operator_delay=300,
+                                       seed=31, warmup_steps=60)  # fmt: skip
+        entry = poison.trainer_entry()
+        assert entry is not None and set(entry) == {"kind", "at_batch", "batches"}
+        lasting = entry["batches"] * step_seconds
+        assert poison.kind.detect_seconds + 60 <= lasting < poison.kind.detect_seconds + 60 + step_seconds
+        assert (after.at_step - poison.at_step) * step_seconds >= lasting + poison.kind.effect_seconds
+
+
 def test_the_runbook_is_the_shipped_rules_actions_and_watching_gets_nothing() -> None:
     runbook = runbook_actions()
     assert runbook["RankscopeNonFiniteSteps"] == "reduce_lr"

@@ -367,7 +367,9 @@ def test_a_loop_without_the_recovery_methods_gets_unsupported_and_keeps_its_cap(
     assert recent(channel)[again]["status"] == "applied"
 
 
-def test_a_rollback_goes_before_the_given_step_and_skips_through_the_incident_plus_the_margin(make_channel):
+def test_a_rollback_goes_before_the_given_step_and_skips_through_the_later_of_incident_and_run_plus_margin(
+    make_channel,
+):
     channel = make_channel(rollback_margin_batches=7)
     loop = RecoveringLoop()
     action_id = post(channel, "rollback", before_step=25, lr_factor=0.5)
@@ -375,6 +377,9 @@ def test_a_rollback_goes_before_the_given_step_and_skips_through_the_incident_pl
     (request,) = loop.requests
     assert (request.before_step, request.incident_step, request.skip_batches, request.lr_factor) == (25, 25, None, 0.5)
     assert request.window(20) == 25 - 20 + 7 and request.reason == "operator:unit"
+    # The run trained 20 batches past the checkpoint (to step 40) before rolling back: all of them are skipped.
+    assert request.window(20, trained_batches=20) == 20 + 7
+    assert request.window(30) == 7  # a checkpoint after the incident: the margin alone
     channel.at_step_boundary(21, loop)
     assert recent(channel)[action_id]["status"] == "applied"
 

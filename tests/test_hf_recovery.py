@@ -138,7 +138,8 @@ STEPS = 20
 def rolled_back(tmp_path_factory):
     """Checkpoints every 4 steps. At step 2 the operator asks reduce_micro_batch and a rollback before step 3
     (no checkpoint yet); at step 10 a rollback before step 8 with lr_factor 0.5, carried out at step 11:
-    checkpoint-4, and 4 + 5 (margin) batches of data skipped after it, 7 of them trained already."""
+    checkpoint-4, and the 7 batches trained since it (more than the 4 up to the incident) plus 5 (margin)
+    skipped after it."""
     out = tmp_path_factory.mktemp("hf_rollback")
     dataset = TracedDataset(4096)
     trainer = build_trainer(str(out), STEPS, batch_size=BATCH, save_steps=4)
@@ -192,11 +193,11 @@ def test_model_optimizer_and_scheduler_hold_the_checkpoint_after_the_rollback(ro
 
 
 def test_the_data_after_the_checkpoint_is_skipped_not_replayed(rolled_back):
-    """Steps 1-11 trained batches 0-10; after the rollback step 5 trains batch 13: batches 4-12 (trained
-    since checkpoint-4, plus 11 and 12, fetched and dropped) are the skipped window."""
+    """Steps 1-11 trained batches 0-10; after the rollback step 5 trains batch 16: batches 4-15 (trained
+    since checkpoint-4, plus 11-15, fetched and dropped) are the skipped window."""
     data, trained = rolled_back["data"], rolled_back["trained"]
-    assert trained == data[:11] + data[13 : 13 + STEPS - 4]
-    assert sample_value(rolled_back["page"], "rankscope_skipped_batches_total") == 9
+    assert trained == data[:11] + data[16 : 16 + STEPS - 4]
+    assert sample_value(rolled_back["page"], "rankscope_skipped_batches_total") == 12
 
 
 def test_the_rollback_is_recorded_beside_the_checkpoints(rolled_back):
@@ -208,16 +209,16 @@ def test_the_rollback_is_recorded_beside_the_checkpoints(rolled_back):
         "step": 11,
         "checkpoint": "checkpoint-4",
         "checkpoint_step": 4,
-        "skipped_batches": 9,
+        "skipped_batches": 12,
         "data_from": 4,
-        "data_to": 13,
+        "data_to": 16,
     }
     assert record["lr_factor"] == 0.5 and record["reason"] == "operator:test"
     # checkpoint-8 of the abandoned steps is moved away; the one there now was written after the rollback.
     moved = out / ROLLED_BACK_DIR / "rollback-1-at-step-11" / "checkpoint-8"
     assert record["abandoned"]["checkpoints"] == ["checkpoint-8"] and (moved / "model.safetensors").is_file()
     positions = {step: json.loads((out / f"checkpoint-{step}" / POSITION_FILE).read_text()) for step in (4, 8, 12, 20)}
-    assert {step: p["data_steps"] for step, p in positions.items()} == {4: 4, 8: 17, 12: 21, 20: 29}
+    assert {step: p["data_steps"] for step, p in positions.items()} == {4: 4, 8: 20, 12: 24, 20: 32}
     assert json.loads((moved / POSITION_FILE).read_text())["data_steps"] == 8
 
 
@@ -248,7 +249,7 @@ def test_reduce_micro_batch_is_refused_with_what_to_do_instead(rolled_back):
     assert sample_value(rolled_back["page"], "rankscope_micro_batch_size") == BATCH
 
 
-# --- resuming the rolled-back run from checkpoint-12 (data position 21) ---------------------------------------------
+# --- resuming the rolled-back run from checkpoint-12 (data position 24) ---------------------------------------------
 
 
 def _resume(rolled_back, ignore_data_skip: bool) -> list[tuple[int, ...]]:
@@ -266,8 +267,8 @@ def _resume(rolled_back, ignore_data_skip: bool) -> list[tuple[int, ...]]:
 
 
 def test_a_resume_with_ignore_data_skip_skips_the_window_again(rolled_back):
-    """The original run's steps 13 and 14 (after the rollback) trained data batches 21 and 22; so does the resume."""
-    assert _resume(rolled_back, ignore_data_skip=True) == rolled_back["data"][21:23]
+    """The original run's steps 13 and 14 (after the rollback) trained data batches 24 and 25; so does the resume."""
+    assert _resume(rolled_back, ignore_data_skip=True) == rolled_back["data"][24:26]
 
 
 def test_the_trainers_own_resume_trains_on_the_skipped_window_and_warns(rolled_back, caplog):
@@ -277,9 +278,9 @@ def test_the_trainers_own_resume_trains_on_the_skipped_window_and_warns(rolled_b
     assert trained == rolled_back["data"][12:14]
     said = [r.getMessage() for r in caplog.records if "ignore_data_skip=True" in r.getMessage()]
     assert said == [
-        "rankscope: resumed at step 12 from data position 21: the Trainer fast-forwards only 12 batches, so batches "
-        "12-20, which the run had skipped or trained already, are trained on again; resume with "
-        "TrainingArguments(ignore_data_skip=True) to let rankscope continue at 21"
+        "rankscope: resumed at step 12 from data position 24: the Trainer fast-forwards only 12 batches, so batches "
+        "12-23, which the run had skipped or trained already, are trained on again; resume with "
+        "TrainingArguments(ignore_data_skip=True) to let rankscope continue at 24"
     ]
 
 
@@ -370,8 +371,8 @@ def test_both_processes_roll_back_to_the_same_checkpoint_and_skip_alike(tmp_path
         record["step"],
         skipped,
     )
-    # Default window: the steps trained since checkpoint-4 up to the incident (before_step 6), plus the margin.
-    assert skipped == max(written["step"] - 4, 2 + ControlConfig().rollback_margin_batches)
+    # Default window: the steps trained since checkpoint-4 (past the incident, before_step 6), plus the margin.
+    assert skipped == written["step"] - 4 + ControlConfig().rollback_margin_batches
     histories = [json.loads((tmp_path / f"log_history.rank{rank}.json").read_text()) for rank in (0, 1)]
     steps = [[entry["step"] for entry in history if "loss" in entry] for history in histories]
     assert steps[0] == steps[1]

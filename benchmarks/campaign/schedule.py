@@ -90,10 +90,10 @@ KINDS: tuple[Kind, ...] = (
          needs_operator=False, restarts=1, effect_seconds=60),
     Kind("preempt", "SIGTERM to the job, then started again", None, False, by_runner=True, detect_seconds=0,
          needs_operator=False, effect_seconds=60),
-    # A stretch of bad data: the shipped divergence action (reduce_lr) cannot fix the data while it lasts
-    # (`rollback` skips it); the table says what the loop made of it.
+    # A broken shard: scrambled captions for as long as the alert takes to see them and a minute more (sized in
+    # batches by build_schedule); a halved rate cannot fix the data, the rollback skips what it trained of it.
     Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
-         trainer={"kind": "poison", "batches": 400}, detect_seconds=240, effect_seconds=60),
+         trainer={"kind": "poison"}, detect_seconds=240, effect_seconds=120),
 )  # fmt: skip
 #: The full campaign: one fault of each kind a real run meets.
 FULL_KINDS = tuple(kind.name for kind in KINDS)
@@ -151,9 +151,13 @@ def build_schedule(
             lasting = math.ceil((kind.detect_seconds + 60) / (step_seconds + extra))
             kind = Kind(**{**kind.__dict__, "lasts_steps": lasting, "slowdown": slowdown,
                            "trainer": {**kind.trainer, "seconds": extra}})  # fmt: skip
+        if kind.name == "poison":
+            # Long enough to matter: 400 batches (13 s) were over, and shrugged off, before the rule could see them.
+            batches = math.ceil((kind.detect_seconds + 60) / step_seconds)
+            kind = Kind(**{**kind.__dict__, "lasts_steps": batches, "trainer": {**kind.trainer, "batches": batches}})
         span = kind.span_seconds(operator_delay, step_seconds) / step_seconds
         at = step + rng.randint(0, max(1, int(span / 10)))
-        until = at + kind.lasts_steps if kind.lasts_steps else 0
+        until = at + kind.lasts_steps if kind.lasts_steps and kind.name != "poison" else 0  # poison: its batches
         if kind.name == "memory":
             until = at + math.ceil((kind.detect_seconds + operator_delay + 30) / step_seconds)
         faults.append(Fault(f"{name}-{len(faults) + 1}", kind, at, rank=0 if name == "nonfinite" else 1,

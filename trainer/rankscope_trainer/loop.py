@@ -510,9 +510,11 @@ class Trainer:
             raise ActionUnavailable(("the ranks disagree: " + "; ".join(answers))[:300])
         step, path, state = found
         self.log.flush()  # the steps trained before the rollback go to the log before its record
+        left_batch = self.data_batch
         self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left)
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
-        record = SkipRecord(step, self.epoch, self.sample_in_epoch, request.window(step), request.lr_factor,
+        window = request.window(step, trained_batches=left_batch - self.data_batch)
+        record = SkipRecord(step, self.epoch, self.sample_in_epoch, window, request.lr_factor,
                             request.incident_step, left, request.reason)  # fmt: skip
         self.skips = merge_skips(self.skips, [record])
         if self.rt.is_main:

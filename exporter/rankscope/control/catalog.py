@@ -102,8 +102,8 @@ BEFORE_STEP = Parameter(
 )
 SKIP_BATCHES = Parameter(
     "skip_batches",
-    "batches of data to skip after the checkpoint (default: those trained between it and the incident, "
-    "plus control.rollback_margin_batches)",
+    "batches of data to skip after the checkpoint (default: those trained since it, or up to the incident if "
+    "that is later, plus control.rollback_margin_batches)",
     minimum=0,
     maximum=10**12,
     integer=True,

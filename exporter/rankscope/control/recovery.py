@@ -5,8 +5,8 @@ methods; one that does not gets the outcome "unsupported", and nothing changes:
 
     def rollback(self, request: RollbackRequest) -> RollbackDone: ...
         # load the newest checkpoint written before request.before_step (every rank the same one),
-        # skip request.skip_batches batches of data after it (None: those trained between it and
-        # request.incident_step, plus request.margin_batches), multiply the learning rates by
+        # skip request.window(checkpoint step, batches trained since it) batches of data after it,
+        # multiply the learning rates by
         # request.lr_factor; record what was skipped so that a resumed run skips it too.
     def reduce_micro_batch(self, reason: str) -> MicroBatchChange: ...
         # halve the micro-batch and double gradient accumulation from the next step on, so that
@@ -40,17 +40,20 @@ class RollbackRequest:
     incident_step: int
     """The step at which the incident began (the alert's startsAt), for the default skip window."""
     skip_batches: int | None
-    """Batches of data to skip after the checkpoint; None: through the incident plus `margin_batches`."""
+    """Batches of data to skip after the checkpoint; None: the default window (`window`)."""
     margin_batches: int
     lr_factor: float
     """Multiply every learning rate by this after loading (1.0: unchanged)."""
     reason: str
 
-    def window(self, checkpoint_step: int) -> int:
-        """How many batches to skip after a checkpoint at `checkpoint_step`."""
+    def window(self, checkpoint_step: int, trained_batches: int = 0) -> int:
+        """How many batches to skip after a checkpoint at `checkpoint_step`, given the `trained_batches` the run
+        consumed after that checkpoint before rolling back. By default every batch from the checkpoint through
+        the incident or through where the run was, whichever is later, plus the margin: the data trained while
+        the alert waited for its `for` and its answer is suspect too (a poisoned stretch would train in again)."""
         if self.skip_batches is not None:
             return self.skip_batches
-        return max(0, self.incident_step - checkpoint_step) + self.margin_batches
+        return max(0, self.incident_step - checkpoint_step, trained_batches) + self.margin_batches
 
     def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)

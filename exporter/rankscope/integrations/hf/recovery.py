@@ -267,7 +267,7 @@ class TrainerRecovery:
         trained = self.data_steps - data_from
         if trained < 0:
             return f"{path} records data position {data_from}, beyond this run's {self.data_steps}"
-        asked = request.window(step)
+        asked = request.window(step, trained_batches=trained)
         if request.skip_batches is not None and asked < trained:
             return (
                 f"skip_batches={asked} is less than the {trained} batches trained since checkpoint-{step}, "
