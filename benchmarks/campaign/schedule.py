@@ -70,11 +70,13 @@ KINDS: tuple[Kind, ...] = (
     Kind("hang_data", "rank 1's data loader never delivers", "RankscopeRankHung", True,
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "data"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
-    # The learning rate 4x too high, kept in every checkpoint after it: the loss does not come back by itself.
-    # The shipped action rolls back to a checkpoint from before the spike (its lookback: the loss's smoothing and
-    # the alert's `for`); with --set divergence_action=reduce_lr the rate is halved instead, again while it diverges.
-    Kind("diverge", "the learning rate 4x too high (kept in checkpoints)", "RankscopeLossDiverging", False,
-         trainer={"kind": "diverge", "lr_factor": 4.0}, detect_seconds=240, effect_seconds=300),
+    # The learning rate 10x too high, kept in every checkpoint after it: the loss does not come back by itself
+    # (at the schedule's converged step 10x held the model at chance for minutes; 4x raised the loss for two
+    # minutes and it came back). The shipped action rolls back to a checkpoint from before the spike (its
+    # lookback: the loss's smoothing and the alert's `for`); with --set divergence_action=reduce_lr the rate is
+    # halved instead, again while it diverges.
+    Kind("diverge", "the learning rate 10x too high (kept in checkpoints)", "RankscopeLossDiverging", False,
+         trainer={"kind": "diverge", "lr_factor": 10.0}, detect_seconds=240, effect_seconds=300),
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
     Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
