@@ -109,17 +109,6 @@ def test_a_poisoned_stretch_outlasts_its_alerts_detection_at_the_measured_pace()
         assert (after.at_step - poison.at_step) * step_seconds >= lasting + poison.kind.effect_seconds
 
 
-def test_a_divergence_is_played_only_once_the_run_has_a_baseline_to_diverge_from() -> None:
-    # The divergence rule compares the loss with its own median over the last 30 minutes: a divergence 22 s into
-    # a run soon is that median, and nothing can name it. Played alone, it waits for five minutes of training.
-    for kind in ("diverge", "poison"):
-        (fault,) = build_schedule((kind,), step_seconds=0.026, operator_delay=300, seed=31, warmup_steps=637)
-        assert fault.at_step * 0.026 >= 300
-    (first, diverge) = build_schedule(("nonfinite", "diverge"), step_seconds=0.026, operator_delay=0, seed=31,
-                                      warmup_steps=637)  # fmt: skip
-    assert diverge.at_step * 0.026 >= 300 and first.at_step < 1000
-
-
 def test_the_runbook_is_the_shipped_rules_actions_and_watching_gets_nothing() -> None:
     runbook = runbook_actions()
     assert runbook["RankscopeNonFiniteSteps"] == "reduce_lr"

@@ -49,9 +49,6 @@ class Kind:
     """For faults with an end (`until_step`): how many steps they last."""
     slowdown: float = 1.0
     """How many times slower its steps are while it lasts (a straggler)."""
-    history_seconds: float = 0.0
-    """Training the run needs behind it before this fault can be named: the divergence rule compares the loss
-    with its own median over the last 30 minutes, which a divergence in a run's first seconds soon becomes."""
 
     def span_seconds(self, operator_delay: float, step_seconds: float) -> float:
         """Time to leave before the next fault: detection, the slower arm's answer, the effect, and margin."""
@@ -79,7 +76,7 @@ KINDS: tuple[Kind, ...] = (
     # lookback: the loss's smoothing and the alert's `for`); with --set divergence_action=reduce_lr the rate is
     # halved instead, again while it diverges.
     Kind("diverge", "the learning rate 10x too high (kept in checkpoints)", "RankscopeLossDiverging", False,
-         trainer={"kind": "diverge", "lr_factor": 10.0}, detect_seconds=240, effect_seconds=300, history_seconds=300),
+         trainer={"kind": "diverge", "lr_factor": 10.0}, detect_seconds=240, effect_seconds=300),
     # A node's memory, not a rank's: the alert names the node (both ranks share this machine's).
     Kind("memory", "host memory grows on rank 1", "RankscopeHostMemoryHigh", False,
          trainer={"kind": "memory_balloon"}, detect_seconds=90, effect_seconds=30, lasts_steps=0),
@@ -98,7 +95,7 @@ KINDS: tuple[Kind, ...] = (
     # A broken shard: scrambled captions for as long as the alert takes to see them and a minute more (sized in
     # batches by build_schedule); a halved rate cannot fix the data, the rollback skips what it trained of it.
     Kind("poison", "a stretch of scrambled captions (the loss diverges)", "RankscopeLossDiverging", False,
-         trainer={"kind": "poison"}, detect_seconds=240, effect_seconds=120, history_seconds=300),
+         trainer={"kind": "poison"}, detect_seconds=240, effect_seconds=120),
 )  # fmt: skip
 #: The full campaign: one fault of each kind a real run meets.
 FULL_KINDS = tuple(kind.name for kind in KINDS)
@@ -161,7 +158,6 @@ def build_schedule(
             batches = math.ceil((kind.detect_seconds + 60) / step_seconds)
             kind = Kind(**{**kind.__dict__, "lasts_steps": batches, "trainer": {**kind.trainer, "batches": batches}})
         span = kind.span_seconds(operator_delay, step_seconds) / step_seconds
-        step = max(step, math.ceil(kind.history_seconds / step_seconds))
         at = step + rng.randint(0, max(1, int(span / 10)))
         until = at + kind.lasts_steps if kind.lasts_steps and kind.name != "poison" else 0  # poison: its batches
         if kind.name == "memory":
