@@ -180,6 +180,15 @@ class Tunables:
     """...when it is also this much above the baseline, in the loss's own units (0: the factor alone). An
     absolute margin is tied to one loss's scale: 0.1 missed a learning-rate spike that took a converged
     loss from 0.002 to 0.09 for minutes in the fault campaign."""
+    divergence_relapse_fall: float = 4.0
+    """In a run's first loss_baseline_window the median is the loss's own fall from where it started, and a
+    divergence soon after the fall becomes that median within seconds (the fault campaign's learning-rate spike
+    22 s into a run sat at chance for 18 minutes unnamed). There the smoothed loss is divergence when it had
+    fallen below its highest in the window divided by this factor and then climbed back more than
+    divergence_relapse_share of that fall. A factor, not a difference: near zero a converged loss's
+    noise halves and doubles (0.0012 to 0.0025), a loss that learned falls by a larger factor."""
+    divergence_relapse_share: float = 0.5
+    """...the share (0..1) of its fall, from its highest to its lowest, the smoothed loss climbed back."""
     divergence_for: str = "1m"
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"
@@ -336,10 +345,10 @@ class Tunables:
                 f"evaluation_interval must be empty or a duration such as 15s, got {self.evaluation_interval!r}"
             )
         for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
-                     "loss_scale_overflow_share", "loss_plateau_improvement",
+                     "loss_scale_overflow_share", "loss_plateau_improvement", "divergence_relapse_share",
                      "val_loss_plateau_improvement"):  # fmt: skip
             check_range(name, getattr(self, name), gt=0, lt=1)
-        for name in ("divergence_factor", "imbalance_ratio"):
+        for name in ("divergence_factor", "divergence_relapse_fall", "imbalance_ratio"):
             check_range(name, getattr(self, name), gt=1)
         for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
                      "loss_scale_min", "slow_step_seconds", "hang_floor_seconds", "hang_step_multiple",

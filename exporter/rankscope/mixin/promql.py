@@ -122,6 +122,8 @@ TOKENS_NODE_RATE = f"run_node:{_counter('tokens_total')}:rate"
 # training
 LOSS_SMOOTHED = f"run:{metric_name('loss')}:smoothed"
 LOSS_BASELINE = f"run:{metric_name('loss')}:window_median"
+LOSS_WINDOW_LOW = f"run:{metric_name('loss')}:window_min"
+LOSS_WINDOW_HIGH = f"run:{metric_name('loss')}:window_max"
 VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
 #: Each node's sum and count of its ranks' latest validation loss: VAL_LOSS is their run's mean.
 VAL_LOSS_NODE_SUM = f"run_node:{metric_name('loss')}:val_sum"

@@ -9,6 +9,8 @@ from rankscope.mixin.promql import (
     GRAD_NORM_NODE_MAX,
     LOSS_BASELINE,
     LOSS_SMOOTHED,
+    LOSS_WINDOW_HIGH,
+    LOSS_WINDOW_LOW,
     NODE,
     NONFINITE_MAX,
     NONFINITE_NODE_MAX,
@@ -37,6 +39,9 @@ def records(t: Tunables) -> list[dict[str, str]]:
         },
         # The baseline divergence compares with: the smoothed loss's typical level, not its lowest dip.
         {"record": LOSS_BASELINE, "expr": f"quantile_over_time(0.5, {LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
+        # Its range over the same window: in a run's first window, how far it fell and how far it climbed back.
+        {"record": LOSS_WINDOW_LOW, "expr": f"min_over_time({LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
+        {"record": LOSS_WINDOW_HIGH, "expr": f"max_over_time({LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
         # The highest rank's non-finite count and gradient norm: each node's (where its ranks' series are), then
         # the run's from its nodes'.
         {"record": NONFINITE_NODE_MAX, "expr": f"max by ({NODE}) ({metric_name('nonfinite_steps_total')})"},
@@ -53,14 +58,23 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeLossDiverging",
-            f"{LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\nand {LOSS_BASELINE} > 0\n"
-            f"and {LOSS_SMOOTHED} - {LOSS_BASELINE} > {num(t.divergence_min_increase)}",
+            f"(\n  {LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\n  and {LOSS_BASELINE} > 0\n"
+            f"  and {LOSS_SMOOTHED} - {LOSS_BASELINE} > {num(t.divergence_min_increase)}\n)\n"
+            # In the run's first window (no smoothed loss a window ago) the median is the loss's own fall: a
+            # loss that learned (fell by the factor) and climbed back over the share of its fall diverged.
+            f"or\n(\n  {LOSS_SMOOTHED} > {LOSS_WINDOW_LOW} + {num(t.divergence_relapse_share)} * "
+            f"({LOSS_WINDOW_HIGH} - {LOSS_WINDOW_LOW})\n"
+            f"  and {LOSS_WINDOW_HIGH} > {num(t.divergence_relapse_fall)} * {LOSS_WINDOW_LOW}\n"
+            f"  and {LOSS_WINDOW_LOW} > 0\n"
+            f"  unless on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_baseline_window}\n)",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
             "The training loss of run {{ $labels.run_id }} (all ranks, the median over "
             f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
-            f"{num(t.divergence_factor)}x its median over the last {t.loss_baseline_window}, for {t.divergence_for}. "
+            f"{num(t.divergence_factor)}x its median over the last {t.loss_baseline_window} (or, in the run's first "
+            f"{t.loss_baseline_window}, back over {num(t.divergence_relapse_share * 100)}% of its fall after it fell "
+            f"{num(t.divergence_relapse_fall)}-fold), for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
             t.divergence_action,
             # A rollback goes back to before the loss's median began to climb: Prometheus sends the time the
