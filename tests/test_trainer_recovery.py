@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,84 @@ def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repe
     replay_rollback(trainer_job, job, tmp_path, end, poison)
     # So does a run resumed from an earlier checkpoint: it reaches the window mid-epoch and skips it there.
     replay_rollback(trainer_job, job, tmp_path, end, poison, from_step=POISON_AT - 11)
+
+
+#: A stretch that outlasts the rollback's window by far, in a model trained enough to tell it from clean data.
+LONG_POISON_AT, LONG_POISON_BATCHES = 201, 300
+
+
+@pytest.mark.integration
+def test_a_rollback_reads_ahead_and_skips_a_poisoned_stretch_that_outlasts_its_window(
+    trainer_job, free_port, tmp_path
+) -> None:
+    port = free_port()
+    poison = [f"faults.poison.at_batch={LONG_POISON_AT}", f"faults.poison.batches={LONG_POISON_BATCHES}"]
+    job = trainer_job(
+        "lookahead",
+        ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50", *poison,
+         f"control.rollback_margin_batches={MARGIN}", *_control_settings(port, tmp_path / "token")],
+    )  # fmt: skip
+    endpoint = Endpoint(port)
+    job.wait_for(lambda: endpoint.status()["step"] >= LONG_POISON_AT + 9, "ten poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=LONG_POISON_AT)
+    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
+    assert done["status"] == "applied", done
+    window = done["step"] - (LONG_POISON_AT - 1) + MARGIN
+    last_poisoned = LONG_POISON_AT + LONG_POISON_BATCHES - 1
+    assert window < last_poisoned - (LONG_POISON_AT - 1)  # the window alone would resume inside the stretch
+
+    (skip,) = job.records("skip")
+    # The restored model found the rest of the stretch bad and the first batch after it clean: the run resumes
+    # at the first clean batch, not inside the stretch and not past clean data.
+    assert (skip["step"], skip["batches"]) == (LONG_POISON_AT - 1, last_poisoned - (LONG_POISON_AT - 1)), skip
+    assert f"({skip['batches'] - window} of the batches after the window looked bad to the restored model)" in (
+        job.output.read_text()
+    )
+    for rank in (0, 1):
+        assert sample_value(job.scrape(rank), "rankscope_skipped_batches_total") == skip["batches"]
+
+    end = LONG_POISON_AT + 30
+    job.wait_for(lambda: max((r["step"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"),
+                             default=0) >= end, f"step {end} after the rollback")  # fmt: skip
+    endpoint.post("stop", "scenario over")
+    assert job.wait_exit(timeout=120) == 0, job.tail()
+    records = job.records()
+    before = {
+        r["step"]: r["loss"] for r in records[: records.index(job.records("rollback")[0])] if r["type"] == "train"
+    }
+    after = [r["loss"] for r in records_after_last(records, "skip") if r["type"] == "train"]
+    poisoned = [loss for step, loss in before.items() if step >= LONG_POISON_AT]
+    assert max(after) < min(poisoned), (poisoned, after)  # no poisoned batch trained after the rollback
+    # The look ahead left the run as it was: resumed from the checkpoint (which does not look, the record says
+    # how far to skip), a run trains the very same curve.
+    replay_rollback(trainer_job, job, tmp_path, end, poison)
+
+
+@pytest.mark.integration
+def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_checkpoint(
+    trainer_job, free_port, tmp_path
+) -> None:
+    port = free_port()
+    job = trainer_job("young", ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50",
+                                *_control_settings(port, tmp_path / "token")])  # fmt: skip
+    endpoint = Endpoint(port)
+    job.wait_for(lambda: endpoint.status()["step"] >= 40, "step 40")
+    # The divergence alert as Alertmanager sends it: fired now, its incident up to 3 minutes before, which in a
+    # run this young is before its first step (no checkpoint is older than that).
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    alert = {"status": "firing", "labels": {"alertname": "RankscopeLossDiverging", "action": "rollback"},
+             "annotations": {"incident_lookback_seconds": "180"}, "startsAt": now,
+             "endsAt": "0001-01-01T00:00:00Z", "fingerprint": "young"}  # fmt: skip
+    body = {"version": "4", "status": "firing", "receiver": "trainer", "groupLabels": {}, "commonLabels": {},
+            "commonAnnotations": {}, "externalURL": "http://127.0.0.1", "alerts": [alert]}  # fmt: skip
+    answer = requests.post(f"{endpoint.url}/v1/alerts", json=body, headers=endpoint.headers, timeout=5)
+    assert answer.status_code == 202, answer.text
+    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
+    assert done["status"] == "applied", done
+    (event,) = job.records("rollback")
+    assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
+    endpoint.post("stop", "scenario over")
+    assert job.wait_exit(timeout=120) == 0, job.tail()
 
 
 # --- reduce_micro_batch ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from rankscope_trainer.skips import SkipRecord, merge_skips, read_skip_file, ski
 
 
 def test_records_round_trip_through_the_file_of_their_lineage(tmp_path) -> None:
-    records = [SkipRecord(40, 1, 128, 26, 0.5, 41, 51, "alert:RankscopeLossDiverging")]
+    records = [SkipRecord(40, 1, 128, 26, 0.5, 41, 51, "alert:RankscopeLossDiverging", lookahead=4)]
     write_skip_file(tmp_path, "4d278816", records)
     assert read_skip_file(tmp_path, "4d278816") == records
     assert read_skip_file(tmp_path, "00000000") == []  # another lineage: no file, no records

@@ -622,12 +622,13 @@ class FaultInjector:
 
         return slowed
 
-    def poison(self, data_batch: int, micro_batches: list[Any]) -> list[Any]:
-        """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in a poisoned stretch."""
+    def poison(self, data_batch: int, micro_batches: list[Any], record: bool = True) -> list[Any]:
+        """The step's micro-batches, captions scrambled if `data_batch` (1-based) is in a poisoned stretch.
+        `record=False`: data looked at, not trained on (a rollback reading ahead), does not fire the fault."""
         hit = [e for e in self._of("poison") if e.covers(data_batch)]
         if not hit:
             return micro_batches
-        for event in hit:  # marked and logged the first time only; the data stays bad when replayed
+        for event in hit if record else ():  # marked and logged the first time only; the data stays bad when replayed
             if event.name not in self._over and event.name not in self._acted:
                 self._fire(event, data_batch)
                 self._acted[event.name] = data_batch

@@ -50,9 +50,10 @@ from rankscope_trainer.data import Batch, DataError, build_data, settle_bad_samp
 from rankscope_trainer.fault_markers import FaultMarkers
 from rankscope_trainer.faults import FaultInjector
 from rankscope_trainer.logbook import ProgressLog
+from rankscope_trainer.lookahead import BAD_LOSS_FACTOR, bad_stretch_length, batch_loss, clean_loss
 from rankscope_trainer.metrics import TRAINER_METRICS
 from rankscope_trainer.model import build_model, contrastive_accuracy, contrastive_loss
-from rankscope_trainer.runtime import Runtime, seed_everything, set_rng_state
+from rankscope_trainer.runtime import Runtime, get_rng_state, seed_everything, set_rng_state
 from rankscope_trainer.skips import SkipRecord, merge_skips, read_skip_file, write_skip_file
 from rankscope_trainer.stats import record_accuracy, record_batch_stats, record_model_stats
 from rankscope_trainer.tokenizer import WordTokenizer
@@ -209,10 +210,13 @@ class Trainer:
 
     def _advance(self, steps: int) -> None:
         """Move the data position on by `steps` steps' worth of samples, into later epochs if need be."""
+        self.epoch, self.sample_in_epoch = self._position_after(steps)
+
+    def _position_after(self, steps: int) -> tuple[int, int]:
+        """The data position (epoch, sample in it) `steps` steps' worth of samples after the current one."""
         per_epoch = self.data.steps_per_epoch(self.step_samples) * self.step_samples
-        self.sample_in_epoch += steps * self.step_samples
-        while self.sample_in_epoch >= per_epoch:
-            self.epoch, self.sample_in_epoch = self.epoch + 1, self.sample_in_epoch - per_epoch
+        epochs, sample = divmod(self.sample_in_epoch + steps * self.step_samples, per_epoch)
+        return self.epoch + epochs, sample
 
     @property
     def data_batch(self) -> int:
@@ -501,7 +505,7 @@ class Trainer:
         Collective: every rank finds and reads its candidate first, and all compare before any changes, so a
         rank that cannot read the file refuses the rollback on every rank instead of leaving replicas apart."""
         left = self.step
-        found, problem = self._rollback_source(request.before_step)
+        found, problem = self._rollback_source(request.before_step, request.incident_step)
         choices = self.rt.gather_objects((str(found[1]) if found else None, problem))
         if found is None or len({path for path, _ in choices}) != 1:
             if len(set(choices)) == 1:
@@ -514,8 +518,11 @@ class Trainer:
         self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left)
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
         window = request.window(step, trained_batches=left_batch - self.data_batch)
-        record = SkipRecord(step, self.epoch, self.sample_in_epoch, window, request.lr_factor,
-                            request.incident_step, left, request.reason)  # fmt: skip
+        # An operator's explicit skip_batches is taken as given; the default window is extended over the bad
+        # data the restored model still finds after it (`rankscope_trainer.lookahead`).
+        ahead = self._bad_data_after(window, request.lookahead_batches) if request.skip_batches is None else 0
+        record = SkipRecord(step, self.epoch, self.sample_in_epoch, window + ahead, request.lr_factor,
+                            request.incident_step, left, request.reason, lookahead=ahead)  # fmt: skip
         self.skips = merge_skips(self.skips, [record])
         if self.rt.is_main:
             try:
@@ -524,18 +531,72 @@ class Trainer:
                 logger.error("rollback record not written beside the checkpoints: %s", exc)
         self._reposition = True
         where = f"epoch {record.epoch} sample {record.sample}"
-        return RollbackDone(step, path.name, record.batches, f"from step {left}; data from {where} skipped")
+        detail = f"from step {left}; data from {where} skipped"
+        if ahead:
+            detail += f" ({ahead} of the batches after the window looked bad to the restored model)"
+        return RollbackDone(step, path.name, record.batches, detail)
 
-    def _rollback_source(self, before_step: int) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
+    def _bad_data_after(self, window: int, limit: int) -> int:
+        """How many batches right after the first `window` ones from the restored position the restored model
+        finds bad (at most `limit`; `rankscope_trainer.lookahead`). Collective: every rank reads its own share
+        of each batch and all decide on the all-reduced losses, so all skip alike. The random states and the
+        loader's generator are put back, so training on from here is what it would have been without it."""
+        if limit <= 0:
+            return 0
+        model = self.model.module
+        rng, generator = get_rng_state(), self.data.train_loader.generator
+        loader_rng = generator.get_state() if generator is not None else None
+        model.eval()
+        try:
+            # Forward passes over data, as validation is (its phase, so a long look is not taken for a hang).
+            with self.monitor.phase("validation"), self._autocast():
+                clean = self._all_reduce(clean_loss(model, self.data.val_loader, self.step_samples, self.rt.device))
+                clean /= self.rt.world_size
+
+                def is_bad(offset: int) -> bool:
+                    epoch, sample = self._position_after(window + offset - 1)
+                    batches = self.faults.poison(self.data_batch + window + offset - 1,
+                                                 self._batches_at(epoch, sample), record=False)  # fmt: skip
+                    loss = batch_loss(model, batches, self.rt.device)
+                    return self._all_reduce(loss, torch.distributed.ReduceOp.MAX) > BAD_LOSS_FACTOR * clean
+
+                ahead = bad_stretch_length(is_bad, limit) if clean > 0 else 0
+        finally:
+            model.train()
+            set_rng_state(rng)
+            if loader_rng is not None:
+                generator.set_state(loader_rng)
+        if ahead and self.rt.is_main:
+            logger.warning("the %d batches after the rollback's window of %d look bad to the restored model "
+                           "(loss over %.0fx its validation loss %.4g): skipped too", ahead, window,
+                           BAD_LOSS_FACTOR, clean)  # fmt: skip
+        return ahead
+
+    def _batches_at(self, epoch: int, sample: int) -> list[Batch]:
+        """The micro-batches of one step's data at a data position (the loop sets its position again after)."""
+        self.data.sampler.set_position(epoch, sample, self.step_samples)
+        batches = iter(self.data.train_loader)
+        return [next(batches) for _ in range(self.accumulation)]
+
+    def _all_reduce(self, value: torch.Tensor, op: Any = torch.distributed.ReduceOp.SUM) -> float:
+        total = value.detach().to(self.rt.device, torch.float64).reshape(1)
+        torch.distributed.all_reduce(total, op=op)
+        return float(total.item())
+
+    def _rollback_source(
+        self, before_step: int, incident_step: int
+    ) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
         """(step, path, state) of the newest readable checkpoint of this run's history before `before_step`, or
-        (None, why not)."""
-        for step, path in sorted(self._timeline, key=lambda item: item[0], reverse=True):
-            if step >= before_step or not path.is_file():
+        (None, why not). Before step 1 (an alert's lookback reaching past a young run's start) there is no
+        checkpoint: the oldest one before the incident is the nearest to the run's start."""
+        newest_first = sorted(self._timeline, key=lambda item: item[0], reverse=True)
+        for step, path in newest_first if before_step > 1 else newest_first[::-1]:
+            if step >= (before_step if before_step > 1 else incident_step) or not path.is_file():
                 continue
             try:
                 return (step, path, read_checkpoint(path)), ""
             except CheckpointError as exc:
-                logger.warning("%s; rollback tries the one before it", exc)
+                logger.warning("%s; rollback tries another", exc)
         known = ", ".join(str(s) for s, _ in self._timeline) or "none"
         where = self.checkpoints.directory
         return None, f"no readable checkpoint of this run before step {before_step} in {where} (history: {known})"

@@ -38,6 +38,8 @@ class SkipRecord:
     rolled_back_from: int = 0
     """The step the run was at when it rolled back."""
     reason: str = ""
+    lookahead: int = 0
+    """Of `batches`, those after the default window that the restored model found bad (`lookahead`)."""
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -54,6 +56,7 @@ class SkipRecord:
             int(data.get("incident_step", 0)),
             int(data.get("rolled_back_from", 0)),
             str(data.get("reason", "")),
+            int(data.get("lookahead", 0)),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -103,7 +103,8 @@ BEFORE_STEP = Parameter(
 SKIP_BATCHES = Parameter(
     "skip_batches",
     "batches of data to skip after the checkpoint (default: those trained since it, or up to the incident if "
-    "that is later, plus control.rollback_margin_batches)",
+    "that is later, plus control.rollback_margin_batches, and then what the loop, reading ahead, finds bad); "
+    "given, it is taken as is",
     minimum=0,
     maximum=10**12,
     integer=True,

@@ -546,6 +546,7 @@ class ControlChannel:
             margin_batches=self.config.rollback_margin_batches,
             lr_factor=float(params.get("lr_factor") or 1.0),
             reason=record.reason,
+            lookahead_batches=self.config.rollback_lookahead_batches,
         )
 
     def _step_at(self, moment: float, current: int) -> int:

@@ -83,6 +83,11 @@ class ControlConfig:
     rollback_margin_batches: int = 50
     """`rollback` skips the batches trained between its checkpoint and the incident, plus this many more
     (the data just after the incident is as suspect as the data before it)."""
+    rollback_lookahead_batches: int = 10_000
+    """After the window, a loop that can read its data ahead (the reference trainer) looks at the batches
+    that follow with the restored model and skips on while they are bad (loss far above its validation
+    loss), up to this many more batches (0: off): a bad stretch of data can outlast the alert and the
+    rollback. About 2 log2(n) batches are read for a stretch of n, forward passes without gradients."""
     rollback_cooldown_steps: int = 0
     """Steps after an applied `rollback` during which another is refused, counted from the step it was applied
     at (0 = none; the run goes back in steps, so this holds until it trains past that step plus this many)."""
@@ -113,7 +118,7 @@ class ControlConfig:
                     "lr_cooldown_steps": 0, "lr_max_reductions": 0, "checkpoint_cooldown_steps": 0}  # fmt: skip
         for name, low in minimums.items():
             check_range(f"control.{name}", getattr(self, name), ge=low, integer=True)
-        for name in ("rollback_margin_batches", "rollback_cooldown_steps", "rollback_max",
+        for name in ("rollback_margin_batches", "rollback_lookahead_batches", "rollback_cooldown_steps", "rollback_max",
                      "micro_batch_cooldown_steps", "micro_batch_max_reductions", "restart_max"):  # fmt: skip
             check_range(f"control.{name}", getattr(self, name), ge=0, integer=True)
         check_range("control.pause_heartbeat_seconds", self.pause_heartbeat_seconds, gt=0, le=10)

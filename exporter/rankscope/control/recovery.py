@@ -5,7 +5,8 @@ methods; one that does not gets the outcome "unsupported", and nothing changes:
 
     def rollback(self, request: RollbackRequest) -> RollbackDone: ...
         # load the newest checkpoint written before request.before_step (every rank the same one),
-        # skip request.window(checkpoint step, batches trained since it) batches of data after it,
+        # skip request.window(checkpoint step, batches trained since it) batches of data after it (and,
+        # if it can read ahead, up to request.lookahead_batches more that the restored model finds bad),
         # multiply the learning rates by
         # request.lr_factor; record what was skipped so that a resumed run skips it too.
     def reduce_micro_batch(self, reason: str) -> MicroBatchChange: ...
@@ -45,6 +46,9 @@ class RollbackRequest:
     lr_factor: float
     """Multiply every learning rate by this after loading (1.0: unchanged)."""
     reason: str
+    lookahead_batches: int = 0
+    """A loop that can read its data ahead may skip on past the window while the restored model finds the
+    batches bad, up to this many more (0: the window alone; not with an explicit skip_batches)."""
 
     def window(self, checkpoint_step: int, trained_batches: int = 0) -> int:
         """How many batches to skip after a checkpoint at `checkpoint_step`, given the `trained_batches` the run
