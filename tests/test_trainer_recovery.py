@@ -54,22 +54,28 @@ def _control_settings(port: int, token_file: Path) -> list[str]:
 POISON_AT, POISON_BATCHES, MARGIN = 41, 20, 25
 
 
-@pytest.mark.integration
-def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repeats_it(
-    trainer_job, free_port, tmp_path
-) -> None:
-    port = free_port()
-    poison = [f"faults.poison.at_batch={POISON_AT}", f"faults.poison.batches={POISON_BATCHES}"]
+def _rolled_back_in_poison(trainer_job, port: int, tmp_path: Path, at: int, batches: int):
+    """A job whose data is poisoned from batch `at` for `batches`, rolled back by the operator ten steps into the
+    stretch to before it: (job, endpoint, the applied outcome, the poison settings)."""
+    poison = [f"faults.poison.at_batch={at}", f"faults.poison.batches={batches}"]
     job = trainer_job(
-        "rollback",
+        f"rollback-{at}-{batches}",
         ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50", *poison,
          f"control.rollback_margin_batches={MARGIN}", *_control_settings(port, tmp_path / "token")],
     )  # fmt: skip
     endpoint = Endpoint(port)
-    job.wait_for(lambda: endpoint.status()["step"] >= POISON_AT + 9, "ten poisoned steps")
-    endpoint.post("rollback", "poisoned shard", before_step=POISON_AT)
+    job.wait_for(lambda: endpoint.status()["step"] >= at + 9, "ten poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=at)
     (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
     assert done["status"] == "applied", done
+    return job, endpoint, done, poison
+
+
+@pytest.mark.integration
+def test_a_rollback_skips_the_poisoned_data_on_both_ranks_and_a_resumed_run_repeats_it(
+    trainer_job, free_port, tmp_path
+) -> None:
+    job, endpoint, done, poison = _rolled_back_in_poison(trainer_job, free_port(), tmp_path, POISON_AT, POISON_BATCHES)
     rolled_back_at = done["step"]
 
     (event,) = job.records("rollback")
@@ -114,18 +120,9 @@ LONG_POISON_AT, LONG_POISON_BATCHES = 201, 300
 def test_a_rollback_reads_ahead_and_skips_a_poisoned_stretch_that_outlasts_its_window(
     trainer_job, free_port, tmp_path
 ) -> None:
-    port = free_port()
-    poison = [f"faults.poison.at_batch={LONG_POISON_AT}", f"faults.poison.batches={LONG_POISON_BATCHES}"]
-    job = trainer_job(
-        "lookahead",
-        ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50", *poison,
-         f"control.rollback_margin_batches={MARGIN}", *_control_settings(port, tmp_path / "token")],
-    )  # fmt: skip
-    endpoint = Endpoint(port)
-    job.wait_for(lambda: endpoint.status()["step"] >= LONG_POISON_AT + 9, "ten poisoned steps")
-    endpoint.post("rollback", "poisoned shard", before_step=LONG_POISON_AT)
-    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
-    assert done["status"] == "applied", done
+    job, endpoint, done, poison = _rolled_back_in_poison(
+        trainer_job, free_port(), tmp_path, LONG_POISON_AT, LONG_POISON_BATCHES
+    )
     window = done["step"] - (LONG_POISON_AT - 1) + MARGIN
     last_poisoned = LONG_POISON_AT + LONG_POISON_BATCHES - 1
     assert window < last_poisoned - (LONG_POISON_AT - 1)  # the window alone would resume inside the stretch
