@@ -384,6 +384,18 @@ def test_a_rollback_goes_before_the_given_step_and_skips_through_the_later_of_in
     assert recent(channel)[action_id]["status"] == "applied"
 
 
+def test_a_rollback_tries_the_newest_checkpoint_before_its_step_and_in_a_young_run_the_oldest() -> None:
+    def request(before: int, incident: int) -> RollbackRequest:
+        return RollbackRequest(before, incident, None, 0, 1.0, "alert:RankscopeLossDiverging")
+
+    assert request(1000, 1200).checkpoint_order([462, 924, 1386, 924]) == [924, 462]
+    assert request(462, 700).checkpoint_order([462, 924]) == []  # the checkpoint at the step is not before it
+    # An alert's lookback that reached past the run's first step (the channel says step 1): nothing is older, so
+    # the checkpoints before the incident, oldest first; none before the incident is none at all.
+    assert request(1, 1200).checkpoint_order([1386, 462, 924]) == [462, 924]
+    assert request(1, 400).checkpoint_order([462, 924]) == []
+
+
 def test_a_rollback_from_an_alert_goes_back_to_the_step_at_its_starts_at(make_channel):
     channel = make_channel()
     loop = RecoveringLoop()

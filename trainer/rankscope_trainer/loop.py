@@ -505,7 +505,7 @@ class Trainer:
         Collective: every rank finds and reads its candidate first, and all compare before any changes, so a
         rank that cannot read the file refuses the rollback on every rank instead of leaving replicas apart."""
         left = self.step
-        found, problem = self._rollback_source(request.before_step, request.incident_step)
+        found, problem = self._rollback_source(request)
         choices = self.rt.gather_objects((str(found[1]) if found else None, problem))
         if found is None or len({path for path, _ in choices}) != 1:
             if len(set(choices)) == 1:
@@ -583,15 +583,13 @@ class Trainer:
         torch.distributed.all_reduce(total, op=op)
         return float(total.item())
 
-    def _rollback_source(
-        self, before_step: int, incident_step: int
-    ) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
-        """(step, path, state) of the newest readable checkpoint of this run's history before `before_step`, or
-        (None, why not). Before step 1 (an alert's lookback reaching past a young run's start) there is no
-        checkpoint: the oldest one before the incident is the nearest to the run's start."""
-        newest_first = sorted(self._timeline, key=lambda item: item[0], reverse=True)
-        for step, path in newest_first if before_step > 1 else newest_first[::-1]:
-            if step >= (before_step if before_step > 1 else incident_step) or not path.is_file():
+    def _rollback_source(self, request: RollbackRequest) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
+        """(step, path, state) of the first readable checkpoint of this run's history in the request's order (the
+        newest before its step; `RollbackRequest.checkpoint_order`), or (None, why not)."""
+        paths = dict(self._timeline)
+        for step in request.checkpoint_order(paths):
+            path = paths[step]
+            if not path.is_file():
                 continue
             try:
                 return (step, path, read_checkpoint(path)), ""
@@ -599,7 +597,8 @@ class Trainer:
                 logger.warning("%s; rollback tries another", exc)
         known = ", ".join(str(s) for s, _ in self._timeline) or "none"
         where = self.checkpoints.directory
-        return None, f"no readable checkpoint of this run before step {before_step} in {where} (history: {known})"
+        before = request.before_step if request.before_step > 1 else request.incident_step
+        return None, f"no readable checkpoint of this run before step {before} in {where} (history: {known})"
 
     def _skip_due(self) -> SkipRecord | None:
         """The recorded window that starts at the run's step and data position now, if any."""

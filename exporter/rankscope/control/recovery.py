@@ -4,7 +4,8 @@ A loop that implements them gives its handler (the object passed to `at_step_bou
 methods; one that does not gets the outcome "unsupported", and nothing changes:
 
     def rollback(self, request: RollbackRequest) -> RollbackDone: ...
-        # load the newest checkpoint written before request.before_step (every rank the same one),
+        # load the first readable checkpoint of request.checkpoint_order(its steps) (every rank the same one):
+        # the newest written before request.before_step,
         # skip request.window(checkpoint step, batches trained since it) batches of data after it (and,
         # if it can read ahead, up to request.lookahead_batches more that the restored model finds bad),
         # multiply the learning rates by
@@ -23,6 +24,7 @@ No torch here: the CLI and the rule generator import the catalog, which names th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["ActionUnavailable", "MicroBatchChange", "RollbackDone", "RollbackRequest"]
@@ -58,6 +60,14 @@ class RollbackRequest:
         if self.skip_batches is not None:
             return self.skip_batches
         return max(0, self.incident_step - checkpoint_step, trained_batches) + self.margin_batches
+
+    def checkpoint_order(self, steps: Iterable[int]) -> list[int]:
+        """The checkpoint steps a rollback may load, in the order to try them: those before `before_step`, newest
+        first. Before step 1 (an alert's lookback reaching past a young run's first step) no checkpoint is older:
+        then those before the incident, oldest first, the nearest there is to the run's start."""
+        if self.before_step > 1:
+            return sorted({s for s in steps if s < self.before_step}, reverse=True)
+        return sorted({s for s in steps if s < self.incident_step})
 
     def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)

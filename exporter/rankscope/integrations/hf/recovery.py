@@ -254,10 +254,11 @@ class TrainerRecovery:
         if missing:
             return f"this transformers.Trainer has no {', '.join(missing)}: rollback cannot load its checkpoints"
         found = _checkpoints(args.output_dir)
-        earlier = [step for step in found if step < request.before_step]
-        if not earlier:
-            return f"no checkpoint-<N> with N < {request.before_step} in {args.output_dir}"
-        step = max(earlier)
+        order = request.checkpoint_order(found)
+        if not order:
+            before = request.before_step if request.before_step > 1 else request.incident_step
+            return f"no checkpoint-<N> with N < {before} in {args.output_dir}"
+        step = order[0]
         path = os.path.join(args.output_dir, f"checkpoint-{step}")
         names = set(os.listdir(path))
         if not names & set(_WEIGHTS) or not {"optimizer.pt", "scheduler.pt"} <= names:
