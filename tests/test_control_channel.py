@@ -396,6 +396,22 @@ def test_a_rollback_tries_the_newest_checkpoint_before_its_step_and_in_a_young_r
     assert request(1, 400).checkpoint_order([462, 924]) == []
 
 
+def test_a_lookback_past_a_resumed_runs_first_step_asks_for_the_oldest_state_it_has(make_channel):
+    channel = make_channel()
+    loop = RecoveringLoop()
+    for step in range(501, 531):  # resumed from a checkpoint at step 500
+        channel.at_step_boundary(step, loop)
+    at = {step: when for when, step in channel._history}
+    request = ActionRequest("rollback", "alert", "alert:RankscopeLossDiverging", key="f@t", started_at=at[520] + 1e-6,
+                            params={"incident_lookback_seconds": at[520] - at[501] + 60})  # fmt: skip
+    channel.queue.submit([request])
+    channel.at_step_boundary(531, loop)
+    (sent,) = loop.requests
+    # Not "before step 501", which would leave out the checkpoint the run resumed from: from the start.
+    assert (sent.before_step, sent.incident_step, sent.from_start) == (1, 520, True)
+    assert sent.checkpoint_order([500, 510, 520]) == [500, 510]
+
+
 def test_a_rollback_from_an_alert_goes_back_to_the_step_at_its_starts_at(make_channel):
     channel = make_channel()
     loop = RecoveringLoop()

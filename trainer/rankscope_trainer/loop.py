@@ -560,7 +560,12 @@ class Trainer:
                     loss = batch_loss(model, batches, self.rt.device)
                     return self._all_reduce(loss, torch.distributed.ReduceOp.MAX) > BAD_LOSS_FACTOR * clean
 
-                ahead = bad_stretch_length(is_bad, limit) if clean > 0 else 0
+                if clean > 0:
+                    ahead = bad_stretch_length(is_bad, limit)
+                else:
+                    ahead = 0
+                    if self.rt.is_main:
+                        logger.warning("no validation loss to compare with: the rollback does not read ahead")
         finally:
             model.train()
             set_rng_state(rng)
@@ -597,8 +602,8 @@ class Trainer:
                 logger.warning("%s; rollback tries another", exc)
         known = ", ".join(str(s) for s, _ in self._timeline) or "none"
         where = self.checkpoints.directory
-        before = request.before_step if request.before_step > 1 else request.incident_step
-        return None, f"no readable checkpoint of this run before step {before} in {where} (history: {known})"
+        bound = request.checkpoint_bound
+        return None, f"no readable checkpoint of this run before step {bound} in {where} (history: {known})"
 
     def _skip_due(self) -> SkipRecord | None:
         """The recorded window that starts at the run's step and data position now, if any."""

@@ -535,7 +535,10 @@ class ControlChannel:
         elif record.started_at is not None:
             incident = self._step_at(record.started_at, step)
             if params.get("incident_lookback_seconds"):
-                before = self._step_at(record.started_at - float(params["incident_lookback_seconds"]), step)
+                moment = record.started_at - float(params["incident_lookback_seconds"])
+                # Past this process's first step nothing it trained from is older: "before step 1", and the loop
+                # takes the oldest state it has (RollbackRequest.from_start), a resumed run's checkpoint included.
+                before = 1 if self._before_first_boundary(moment) else self._step_at(moment, step)
         else:
             incident = step
         skip = params.get("skip_batches")
@@ -548,6 +551,11 @@ class ControlChannel:
             reason=record.reason,
             lookahead_batches=self.config.rollback_lookahead_batches,
         )
+
+    def _before_first_boundary(self, moment: float) -> bool:
+        """Whether `moment` precedes the first step boundary this process saw (its history still holds it)."""
+        whole = len(self._history) < (self._history.maxlen or 0)
+        return bool(self._history) and whole and moment < self._history[0][0]
 
     def _step_at(self, moment: float, current: int) -> int:
         """The step the run was at, at Unix time `moment` (the last boundary at or before it)."""

@@ -61,13 +61,21 @@ class RollbackRequest:
             return self.skip_batches
         return max(0, self.incident_step - checkpoint_step, trained_batches) + self.margin_batches
 
+    @property
+    def from_start(self) -> bool:
+        """Whether the rollback reaches back past the first step this run (this process) trained: before step 1, as
+        the channel asks when an alert's lookback reaches past it. No checkpoint is older than that."""
+        return self.before_step <= 1
+
+    @property
+    def checkpoint_bound(self) -> int:
+        """Every checkpoint a rollback may load is below this step: `before_step`, or from the start the incident."""
+        return self.incident_step if self.from_start else self.before_step
+
     def checkpoint_order(self, steps: Iterable[int]) -> list[int]:
         """The checkpoint steps a rollback may load, in the order to try them: those before `before_step`, newest
-        first. Before step 1 (an alert's lookback reaching past a young run's first step) no checkpoint is older:
-        then those before the incident, oldest first, the nearest there is to the run's start."""
-        if self.before_step > 1:
-            return sorted({s for s in steps if s < self.before_step}, reverse=True)
-        return sorted({s for s in steps if s < self.incident_step})
+        first; from the start, those before the incident, oldest first (the nearest there is to the start)."""
+        return sorted({s for s in steps if s < self.checkpoint_bound}, reverse=not self.from_start)
 
     def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)

@@ -256,8 +256,7 @@ class TrainerRecovery:
         found = _checkpoints(args.output_dir)
         order = request.checkpoint_order(found)
         if not order:
-            before = request.before_step if request.before_step > 1 else request.incident_step
-            return f"no checkpoint-<N> with N < {before} in {args.output_dir}"
+            return f"no checkpoint-<N> with N < {request.checkpoint_bound} in {args.output_dir}"
         step = order[0]
         path = os.path.join(args.output_dir, f"checkpoint-{step}")
         names = set(os.listdir(path))
