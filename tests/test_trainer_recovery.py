@@ -54,18 +54,22 @@ def _control_settings(port: int, token_file: Path) -> list[str]:
 POISON_AT, POISON_BATCHES, MARGIN = 41, 20, 25
 
 
-def _rolled_back_in_poison(trainer_job, port: int, tmp_path: Path, at: int, batches: int):
-    """A job whose data is poisoned from batch `at` for `batches`, rolled back by the operator ten steps into the
-    stretch to before it: (job, endpoint, the applied outcome, the poison settings)."""
-    poison = [f"faults.poison.at_batch={at}", f"faults.poison.batches={batches}"]
+def _rolled_back_in_poison(
+    trainer_job, port: int, tmp_path: Path, at: int, batches: int, steps_in: int = 10,
+    before_step: int | None = None, settings: tuple[str, ...] = (),
+):  # fmt: skip
+    """A job whose data is poisoned from batch `at` for `batches`, rolled back by the operator `steps_in` steps into
+    the stretch to before `before_step` (default: the stretch): (job, endpoint, the applied outcome, the job's
+    poison and fault settings)."""
+    poison = [f"faults.poison.at_batch={at}", f"faults.poison.batches={batches}", *settings]
     job = trainer_job(
         f"rollback-{at}-{batches}",
         ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50", *poison,
          f"control.rollback_margin_batches={MARGIN}", *_control_settings(port, tmp_path / "token")],
     )  # fmt: skip
     endpoint = Endpoint(port)
-    job.wait_for(lambda: endpoint.status()["step"] >= at + 9, "ten poisoned steps")
-    endpoint.post("rollback", "poisoned shard", before_step=at)
+    job.wait_for(lambda: endpoint.status()["step"] >= at + steps_in - 1, f"{steps_in} poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=before_step or at)
     (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
     assert done["status"] == "applied", done
     return job, endpoint, done, poison
@@ -152,6 +156,36 @@ def test_a_rollback_reads_ahead_and_skips_a_poisoned_stretch_that_outlasts_its_w
     # The look ahead left the run as it was: resumed from the checkpoint (which does not look, the record says
     # how far to skip), a run trains the very same curve.
     replay_rollback(trainer_job, job, tmp_path, end, poison)
+
+
+#: A learning rate raised 1.5-fold (harmless to this model) a little before the poisoned stretch.
+RAISED_RATE_AT = 172
+
+
+@pytest.mark.integration
+def test_a_rollback_loads_the_newest_checkpoint_before_the_loss_rose_but_none_with_a_raised_rate(
+    trainer_job, free_port, tmp_path
+) -> None:
+    # The operator's bound (an alert's lookback) is a hundred steps before the stretch. The loss left its level at
+    # the stretch (step 201); the checkpoints at 180 and 190 came after the rate was raised at step 172.
+    raised = [f"faults.diverge.at_step={RAISED_RATE_AT}", "faults.diverge.lr_factor=1.5"]
+    job, endpoint, done, settings = _rolled_back_in_poison(
+        trainer_job, free_port(), tmp_path, LONG_POISON_AT, 60, steps_in=40, before_step=101, settings=tuple(raised)
+    )
+    (event,) = job.records("rollback")
+    # Not 100 (the newest before the bound), nor 180 (the newest before the rise, with the raised rate).
+    assert event["step"] == 170 and event["loss_rose_at"] is not None, event
+    assert RAISED_RATE_AT < event["loss_rose_at"] <= LONG_POISON_AT, event
+    assert f"(the loss left its level after step {event['loss_rose_at']}: a newer checkpoint than step 100)" in (
+        job.output.read_text()
+    )
+    end = LONG_POISON_AT + 60
+    job.wait_for(lambda: max((r["step"] for r in records_after_last(job.records(), "skip") if r["type"] == "train"),
+                             default=0) >= end, f"step {end} after the rollback")  # fmt: skip
+    endpoint.post("stop", "scenario over")
+    assert job.wait_exit(timeout=120) == 0, job.tail()
+    # The rolled-back run from that checkpoint is the run resumed from it: the same skip, the very same losses.
+    replay_rollback(trainer_job, job, tmp_path, end, settings)
 
 
 @pytest.mark.integration

@@ -53,6 +53,7 @@ from rankscope_trainer.logbook import ProgressLog
 from rankscope_trainer.lookahead import BAD_LOSS_FACTOR, bad_stretch_length, batch_loss, clean_loss
 from rankscope_trainer.metrics import TRAINER_METRICS
 from rankscope_trainer.model import build_model, contrastive_accuracy, contrastive_loss
+from rankscope_trainer.onset import LOSS_HISTORY_STEPS, LossHistory, excursion_start, rate_raised
 from rankscope_trainer.runtime import Runtime, get_rng_state, seed_everything, set_rng_state
 from rankscope_trainer.skips import SkipRecord, merge_skips, read_skip_file, write_skip_file
 from rankscope_trainer.stats import record_accuracy, record_batch_stats, record_model_stats
@@ -155,6 +156,8 @@ class Trainer:
         (`rankscope_trainer.skips`)."""
         self._timeline: list[tuple[int, Path]] = []
         """(step, path) of the checkpoints this run's current history passed through: what rollback may load."""
+        self._losses = LossHistory(LOSS_HISTORY_STEPS)
+        """The last steps' losses, where a rollback looks for the start of the excursion it undoes."""
         self._reposition = False
         """Set by an action that moved the data position or changed the loader: the epoch's iteration restarts."""
         self.best_val_loss = math.inf
@@ -285,6 +288,7 @@ class Trainer:
         accuracy = contrastive_accuracy(logits.detach())
         record_accuracy(self.monitor, accuracy, split="train")
         self.log.record_step(self.step, loss, accuracy, lr)
+        self._losses.record(self.step, loss)
         if stats_due:
             assert attention is not None  # a step with stats due records the first micro-batch's attention
             record_batch_stats(self.monitor, micro_batches[0], on_device[0].images)
@@ -499,13 +503,18 @@ class Trainer:
     # --- recovery actions (control handler; every rank, at the same boundary) -------------------
 
     def rollback(self, request: RollbackRequest) -> RollbackDone:
-        """Load the newest checkpoint of this run's history before `request.before_step`, then skip the data
-        window after it (applied by `_replay_skips` when the loop reaches the checkpoint's position).
+        """Load the newest checkpoint of this run's history before `request.before_step` (or a newer one written
+        before the step losses left their level, `_before_onset`), then skip the data window after it (applied by
+        `_replay_skips` when the loop reaches the checkpoint's position).
 
         Collective: every rank finds and reads its candidate first, and all compare before any changes, so a
         rank that cannot read the file refuses the rollback on every rank instead of leaving replicas apart."""
         left = self.step
+        losses = self._step_losses() if request.onset_window_steps > 0 else None  # collective: every rank
         found, problem = self._rollback_source(request)
+        bound, onset = (found[0] if found else None), None
+        if found is not None and losses is not None:
+            found, onset = self._before_onset(found, *losses, request.onset_window_steps)
         choices = self.rt.gather_objects((str(found[1]) if found else None, problem))
         if found is None or len({path for path, _ in choices}) != 1:
             if len(set(choices)) == 1:
@@ -515,8 +524,10 @@ class Trainer:
         step, path, state = found
         self.log.flush()  # the steps trained before the rollback go to the log before its record
         left_batch = self.data_batch
-        self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left)
+        self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left,
+                      loss_rose_at=onset)  # fmt: skip
         self._timeline = [(s, p) for s, p in self._timeline if s <= step]
+        self._losses.clear()  # the steps after the checkpoint are trained again
         window = request.window(step, trained_batches=left_batch - self.data_batch)
         # An operator's explicit skip_batches is taken as given; the default window is extended over the bad
         # data the restored model still finds after it (`rankscope_trainer.lookahead`).
@@ -532,6 +543,8 @@ class Trainer:
         self._reposition = True
         where = f"epoch {record.epoch} sample {record.sample}"
         detail = f"from step {left}; data from {where} skipped"
+        if onset is not None and step != bound:
+            detail += f" (the loss left its level after step {onset}: a newer checkpoint than step {bound})"
         if ahead:
             detail += f" ({ahead} of the batches after the window looked bad to the restored model)"
         return RollbackDone(step, path.name, record.batches, detail)
@@ -587,6 +600,36 @@ class Trainer:
         total = value.detach().to(self.rt.device, torch.float64).reshape(1)
         torch.distributed.all_reduce(total, op=op)
         return float(total.item())
+
+    def _step_losses(self) -> tuple[list[int], list[float]]:
+        """(steps, the mean loss over every rank at each), oldest first: one all-reduce, so every rank decides
+        on the same numbers."""
+        steps, values = self._losses.ordered(self.rt.device)
+        torch.distributed.all_reduce(values)
+        return steps, (values[: len(steps)] / self.rt.world_size).tolist()
+
+    def _before_onset(self, found: tuple[int, Path, dict[str, Any]], steps: list[int], losses: list[float],
+                      window: int) -> tuple[tuple[int, Path, dict[str, Any]], int | None]:  # fmt: skip
+        """The newest readable checkpoint between `found` (the alert's bound) and the start of the loss excursion
+        that lasts to now (`rankscope_trainer.onset`), and that start; `found` and None when there is none.
+        A checkpoint whose learning rate was raised since `found` is passed over: a raised rate is the commonest
+        cause of divergence, and it lives in the checkpoint."""
+        bound = found[0]
+        first = next((i for i, step in enumerate(steps) if step > bound), len(steps))
+        start = excursion_start(losses[first:], window)
+        if start is None:
+            return found, None
+        onset = steps[first + start]
+        paths = dict(self._timeline)
+        for step in sorted((s for s in paths if bound < s < onset), reverse=True):
+            try:
+                state = read_checkpoint(paths[step])
+            except CheckpointError as exc:
+                logger.warning("%s; rollback tries an older one", exc)
+                continue
+            if not rate_raised(state, found[2]):
+                return (step, paths[step], state), onset
+        return found, onset
 
     def _rollback_source(self, request: RollbackRequest) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
         """(step, path, state) of the first readable checkpoint of this run's history in the request's order (the

@@ -550,6 +550,7 @@ class ControlChannel:
             lr_factor=float(params.get("lr_factor") or 1.0),
             reason=record.reason,
             lookahead_batches=self.config.rollback_lookahead_batches,
+            onset_window_steps=self.config.rollback_onset_window_steps,
         )
 
     def _before_first_boundary(self, moment: float) -> bool:

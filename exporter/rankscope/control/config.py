@@ -88,6 +88,11 @@ class ControlConfig:
     that follow with the restored model and skips on while they are bad (loss far above its validation
     loss), up to this many more batches (0: off): a bad stretch of data can outlast the alert and the
     rollback. About 2 log2(n) batches are read for a stretch of n, forward passes without gradients."""
+    rollback_onset_window_steps: int = 32
+    """A loop that keeps its step losses (the reference trainer) rolls back to the newest checkpoint written
+    before the loss left its level, when that is later than the alert's lookback: the start of the excursion
+    that lasts to now, where the median of this many steps' losses went over twice its level (0: off, the
+    newest checkpoint before the lookback). Never earlier than the lookback, never past a raised learning rate."""
     rollback_cooldown_steps: int = 0
     """Steps after an applied `rollback` during which another is refused, counted from the step it was applied
     at (0 = none; the run goes back in steps, so this holds until it trains past that step plus this many)."""
@@ -118,7 +123,8 @@ class ControlConfig:
                     "lr_cooldown_steps": 0, "lr_max_reductions": 0, "checkpoint_cooldown_steps": 0}  # fmt: skip
         for name, low in minimums.items():
             check_range(f"control.{name}", getattr(self, name), ge=low, integer=True)
-        for name in ("rollback_margin_batches", "rollback_lookahead_batches", "rollback_cooldown_steps", "rollback_max",
+        for name in ("rollback_margin_batches", "rollback_lookahead_batches", "rollback_onset_window_steps",
+                     "rollback_cooldown_steps", "rollback_max",
                      "micro_batch_cooldown_steps", "micro_batch_max_reductions", "restart_max"):  # fmt: skip
             check_range(f"control.{name}", getattr(self, name), ge=0, integer=True)
         check_range("control.pause_heartbeat_seconds", self.pause_heartbeat_seconds, gt=0, le=10)

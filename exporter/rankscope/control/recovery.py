@@ -5,7 +5,8 @@ methods; one that does not gets the outcome "unsupported", and nothing changes:
 
     def rollback(self, request: RollbackRequest) -> RollbackDone: ...
         # load the first readable checkpoint of request.checkpoint_order(its steps) (every rank the same one):
-        # the newest written before request.before_step,
+        # the newest written before request.before_step (a loop that keeps its step losses may take a
+        # newer one written before they left their level: request.onset_window_steps),
         # skip request.window(checkpoint step, batches trained since it) batches of data after it (and,
         # if it can read ahead, up to request.lookahead_batches more that the restored model finds bad),
         # multiply the learning rates by
@@ -51,6 +52,9 @@ class RollbackRequest:
     lookahead_batches: int = 0
     """A loop that can read its data ahead may skip on past the window while the restored model finds the
     batches bad, up to this many more (0: the window alone; not with an explicit skip_batches)."""
+    onset_window_steps: int = 0
+    """A loop that keeps its step losses may load a newer checkpoint, written before the loss left its level
+    (the median of this many steps' losses; 0: the newest before `before_step`, as `checkpoint_order` says)."""
 
     def window(self, checkpoint_step: int, trained_batches: int = 0) -> int:
         """How many batches to skip after a checkpoint at `checkpoint_step`, given the `trained_batches` the run
