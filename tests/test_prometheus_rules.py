@@ -526,10 +526,14 @@ FOR_FIELDS = [f.name for f in fields(Tunables) if f.name.endswith("_for") and ge
 
 @pytest.mark.parametrize("name", FOR_FIELDS)
 def test_a_for_one_evaluation_shorter_makes_its_unit_tests_fail(name, tmp_path):
-    # The unit tests evaluate every minute; each alert's tests must pin its `for` exactly.
-    minutes = re.fullmatch(r"(\d+)m", getattr(Tunables(), name))
-    assert minutes, f"{name}: defaults are whole minutes so the tests can pin them"
-    shorter = f"{int(minutes.group(1)) - 1}m"
+    # The unit tests evaluate every minute (a `for` under a minute: every 5 s, training_latency_test.yml); each
+    # alert's tests must pin its `for` exactly.
+    default = getattr(Tunables(), name)
+    minutes, seconds = re.fullmatch(r"(\d+)m", default), re.fullmatch(r"(\d+)s", default)
+    assert minutes or (seconds and int(seconds.group(1)) % 5 == 0 and int(seconds.group(1)) < 60), (
+        f"{name}: defaults are whole minutes, or multiples of 5 s under one, so the tests can pin them"
+    )
+    shorter = f"{int(minutes.group(1)) - 1}m" if minutes else f"{int(seconds.group(1)) - 5}s"
     variant = config.apply_overrides(Tunables(), [f"{name}={shorter}"])
     result = _run_unit_tests_against(variant, _changed_alert(variant), tmp_path)
     assert result.returncode != 0, f"tests still pass with {name}={shorter}:\n{result.stdout}"

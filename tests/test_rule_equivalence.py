@@ -81,7 +81,7 @@ def _dependency_order(paths: list[Path]) -> list[str]:
 #: (their own promtool tests pin the new meaning).
 CHANGED_ON_PURPOSE = {
     "RankscopeLossDiverging": "smoothed with the median, not the mean (12d1d52); compared with its 30m median, not "
-    "its minimum, for 1m (a missed learning-rate spike)",
+    "its minimum, for 15s (a missed learning-rate spike; a sooner rollback)",
     "RankscopeRankImbalance": "the slowest rank over the other ranks' median, not all's (2 ranks: 2x read 1.33x)",
     "RankscopeRankHung": "the last step's age when scraped, not at evaluation (15 s scrapes paged healthy runs)",
     "RankscopeRunStalled": "also a first step that never ends (no phase change for stall_seconds; nothing fired)",

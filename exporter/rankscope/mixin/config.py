@@ -189,14 +189,19 @@ class Tunables:
     noise halves and doubles (0.0012 to 0.0025), a loss that learned falls by a larger factor."""
     divergence_relapse_share: float = 0.5
     """...the share (0..1) of its fall, from its highest to its lowest, the smoothed loss climbed back."""
-    divergence_for: str = "1m"
+    divergence_for: str = "15s"
+    """How long the smoothed loss stays over its line before the alert fires. The median over
+    loss_smoothing_window is already the guard against noise (it crosses once more than half its window is
+    high); every second of the `for` is training the rollback throws away. Replayed at 1 s over the fault
+    campaign's logged losses (3.5 hours), the 2m median never stayed over its line outside a fault, and a `for`
+    of 15 s instead of 1m named the divergences 45 s sooner (benchmarks/README.md)."""
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"
     """What divergence asks the trainer for: rollback (reload the newest checkpoint from before the incident and
     skip the data after it), or reduce_lr. Rollback by default: a loss that diverged and does not come back by
     itself (a learning-rate spike kept in the checkpoints, a broken data shard) came back under a rollback and
     not under a halved rate in the fault campaign (benchmarks/README.md). It needs checkpoints reaching back
-    the alert's smoothing window and `for` (4 minutes) before it fires; without one it is refused and pages."""
+    the alert's smoothing window and `for` (135 s) before it fires; without one it is refused and pages."""
     nonfinite_window: str = "10m"
     """Range over which non-finite steps are counted."""
     nonfinite_steps: float = 2.0
