@@ -46,8 +46,9 @@ WARMUP_STEPS = 60
 CHECKPOINT_SECONDS = 15.0
 #: A validation every this many seconds of training (the time-to-target's resolution).
 VALIDATION_SECONDS = 30.0
-#: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, a
-#: smoothing window (2m) before the alert went pending, itself a `for` (1m) before it fired; plus two minutes.
+#: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, up to a
+#: smoothing window (2m) before the alert went pending, itself a `for` (15 s) before it fired; plus a margin for
+#: the slower detection the schedule allows (`detect_seconds`).
 ROLLBACK_REACH_SECONDS = 300.0
 #: The calibration and what the schedule was built from, written at the start: `--resume` goes on from it.
 PLAN_FILE = "plan.json"
