@@ -185,7 +185,7 @@ def measure_global(setup: Setup, ranks: int, shards: int, per_page: int, workdir
             for group in layout.shard_groups.values()
             for rule in group["rules"]
             for s in selectors(rule["expr"])
-            if not s.recorded
+            if not s.recorded and s.name != "up"  # `up` is the scrape's own: no relabeling drops it
         }  # fmt: skip
     )
     raw = [s for s in federated if not s.recorded and s.name != "up"]
@@ -203,9 +203,9 @@ def measure_global(setup: Setup, ranks: int, shards: int, per_page: int, workdir
         rule_times, window, _ = _hold_and_read(fake, url, duration)
         groups = _group_figures(url, window, "/global/rules/")
         shard_rules = {rule["record"] for group in layout.shard_groups.values() for rule in group["rules"]}
-        crossed = _count(url, [s for s in federated if s.name != "up"]) + (
-            _value(url, 'count(up{job="rankscope"})') or 0
-        )
+        crossed = _count(url, [s for s in federated if s.name != "up"])
+        if any(s.name == "up" for s in federated):
+            crossed += _value(url, 'count(up{job="rankscope"})') or 0
         only_for_shard_rules = _count(url, [s for s in shard_inputs if not any(f.covers(s) for f in federated)])
         head = _value(url, "prometheus_tsdb_head_series") or 0.0
         return {

@@ -8,6 +8,8 @@ command's output byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ import pytest
 import yaml
 from rankscope.mixin import cli, rules
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.layout import Selector, is_shard_local, selectors, split
+from rankscope.mixin.layout import Selector, fresh, is_shard_local, selectors, split, view_name
 
 from tests.support import REPO, binary
 
@@ -37,11 +39,15 @@ def test_every_alert_lands_on_the_global_server_as_on_one_server(t: Tunables) ->
     assert not [rule for rule in _rules(layout.shard_groups) if "alert" in rule]
     single = {rule["alert"]: rule for area in rules.areas(t) for rule in area.rules(t) if "alert" in rule}
     inline = rules.shard_expressions(t)
+    # The global server reads a transient shard record's fresh samples only (rankscope.mixin.layout.fresh).
+    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient}
     for alert in rules.alerts(t):
-        assert on_global[alert.name] == alert.to_rule(t)
+        written = alert.to_rule(t)
+        assert on_global[alert.name] == {**written, "expr": rules.inlined(written["expr"], freshened)}
         # One server computes the shard records where the global server reads them: the same expression.
         assert {**on_global[alert.name], "expr": ""} == {**single[alert.name], "expr": ""}
-        assert _words(rules.inlined(on_global[alert.name]["expr"], inline)) == _words(single[alert.name]["expr"])
+        one_server = dataclasses.replace(alert, expr=rules.inlined(alert.expr, inline)).to_rule(t)
+        assert _words(one_server["expr"]) == _words(single[alert.name]["expr"])
     assert sorted(on_global) == sorted(alert.name for alert in rules.alerts(t))
 
 
@@ -55,12 +61,33 @@ def test_every_recording_rule_lands_on_exactly_one_server_unchanged_in_the_same_
         for rule in group["rules"]
         if "record" in rule
     ]
-    sharded = [(a.group, rule["record"], rule["expr"]) for a in rules.areas(t) for rule in a.sharded_records(t)]
-    assert sorted(placed) == sorted(sharded)
-    # One server records the same, less the shard records (read inline there).
+    # As written, but for two things: a shard reads its own view of a run-level record under the view's name, and
+    # the global server reads a transient shard record's fresh samples only.
+    views = {name: view_name(name) for area in rules.areas(t) for name in area.shard_views}
+    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient}
+    on_shard = {record for groups in (layout.shard_groups,) for group in groups.values() for record in
+                (rule["record"] for rule in group["rules"])}  # fmt: skip
+    expected = []
+    for area in rules.areas(t):
+        for rule in area.module.records(t):
+            if rule["record"] in views:
+                expected.append((area.group, views[rule["record"]], _with_views(rule["expr"], views)))
+        for rule in area.sharded_records(t):
+            if rule["record"] in on_shard:
+                expected.append((area.group, rule["record"], _with_views(rule["expr"], views)))
+            else:
+                expected.append((area.group, rule["record"], rules.inlined(rule["expr"], freshened)))
+    assert sorted(placed) == sorted(expected)
+    # One server records the same, less the shard records (read inline there) and the shards' views.
     single = {rule["record"] for area in rules.areas(t) for rule in area.records(t)}
-    assert single == {record for _, record, _ in placed} - set(rules.shard_expressions(t))
+    assert single == {record for _, record, _ in placed} - set(rules.shard_expressions(t)) - set(views.values())
     assert set(rules.shard_expressions(t)) <= layout.shard_records
+
+
+def _with_views(expr: str, views: dict[str, str]) -> str:
+    for name, view in views.items():
+        expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", view, expr)
+    return expr
 
 
 def test_one_server_records_no_per_rank_ratio_that_only_alerts_read() -> None:
@@ -112,9 +139,15 @@ def test_whatever_a_global_rule_reads_is_recorded_there_or_federated(t: Tunables
 def test_a_shard_evaluates_only_what_its_own_ranks_decide(t: Tunables) -> None:
     layout = split(t)
     assert layout.shard_records, "the per-rank reductions are the shards' work"
+    views = {view_name(name) for area in rules.areas(t) for name in area.shard_views}
     for rule in _rules(layout.shard_groups):
-        assert is_shard_local(rule["expr"]), rule
-        assert all(not s.recorded or s.name in layout.shard_records for s in selectors(rule["expr"])), rule
+        read = selectors(rule["expr"])
+        # Its own view of a run (over its ranks), and a record gated on that view, are a shard's by design: the
+        # gate only decides when a rank's series is recorded, never its value.
+        assert is_shard_local(rule["expr"]) or rule["record"] in views or {s.name for s in read} & views, rule
+        assert all(not s.recorded or s.name in layout.shard_records for s in read), rule
+    # No view of a run leaves its shard.
+    assert not {s.name for s in layout.federated} & views
     # The run's median compute time and the hang suspects compare ranks of every shard: global.
     on_global = {rule.get("record") for rule in _rules(layout.global_groups)}
     assert {"run:rankscope_compute_duration_seconds:median", "run_rank:rankscope_phase:hang_suspect"} <= on_global
@@ -136,10 +169,18 @@ def test_federated_selectors_keep_the_rules_matchers_so_few_series_per_rank_cros
     assert 'rankscope_step_duration_seconds_sum{local_rank="0"}' in federated
     assert "rankscope_step_duration_seconds_sum" not in federated
     assert {"run_node:rankscope_samples:rate", "run_node:rankscope_grad_norm:max"} <= federated
+    # What the rules compare with a line per rank crosses only for the ranks over it, and the hang suspects' phases
+    # and counts only while a run may be hung: a healthy run federates none of them.
     assert {
-        "run_rank:rankscope_data_wait_seconds:slow_share",
-        "run_rank:rankscope_step_duration_seconds:mean",
+        "run_rank:rankscope_data_wait_seconds:over_line",
+        "run_rank:rankscope_step_duration_seconds:mean_over_line",
+        "run_rank:rankscope_phase:hang_candidate",
+        "run_rank:up:down",
     } <= federated
+    not_crossing = {"run_rank:rankscope_data_wait_seconds:slow_share", "run_rank:rankscope_step_duration_seconds:mean",
+                    "run_rank:rankscope_run_info:last_seen_timestamp_seconds", "rankscope_collectives_total",
+                    "rankscope_phase", "rankscope_previous_process_vanished_timestamp_seconds", "up"}  # fmt: skip
+    assert not not_crossing & federated
     assert "run_rank:rankscope_compute_duration_seconds_sum:rate" in federated
 
 

@@ -12,15 +12,24 @@ the sharded layouts cannot drift:
   node it scrapes, so it computes exactly what one server would. Run-level figures are built in two steps
   for this (rankscope.mixin.promql): each node's part on its shard, the run's from the nodes' parts on the
   global server, which then holds one series per node where it would hold one per rank;
+- a shard record an area declares (``shard_records``) goes to the shards: each node's part of a run-level
+  figure, and each rank's value only while something is wrong with it (over an alert's line, down, vanished, a
+  hang candidate). A healthy run then federates one series per node for those figures and none per rank, and the
+  global server's rules read no rank's series but the compute times the straggler's median needs;
+- a shard record gated on its run (the hang candidates: recorded only while the run may be hung) reads its
+  shard's view of the run: the run-level records an area names in ``SHARD_VIEWS``, which each shard also
+  evaluates over its own ranks under another name (:func:`view_name`). A shard's view of the run's last step is
+  at least as old as the run's (its nodes are some of the run's), so the gate opens no later than one server's.
 - every other rule goes to the global server: each alert, and every recording that compares or combines
   ranks (a run's median, a count of ranks in a phase), which needs the ranks of every shard;
 - the global server federates (``match[]``) each series selector its rules read from a shard: the shard
   recordings by name, the scraped series with the matchers the rules use (local rank 0, rank 0).
 
-Only series that exist for as long as their rank serves metrics cross: a federated sample carries its
-timestamp, and Prometheus does not mark such a series stale when it vanishes from the federation (it stays
-visible for the global server's lookback delta, 5 minutes by default), so an alert condition that comes and
-goes is evaluated on the global server, never recorded on a shard.
+A federated sample carries its timestamp, and Prometheus does not mark such a series stale when it vanishes
+from the federation: it stays visible for the global server's lookback delta (5 minutes by default). A shard
+record that comes and goes with its condition (an area's ``TRANSIENT``) is therefore read on the global server
+through :func:`fresh`: only its samples at most three intervals old (the shard's evaluation, the federation's
+scrape, one to spare). Every other crossing series exists for as long as its rank serves metrics.
 
 Timing: a federated sample keeps the timestamp it was scraped (or recorded) at (``honor_timestamps``), so
 rates and ``for`` durations on the global server measure the same time as on one server; the federation adds
@@ -35,9 +44,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.rules import areas
+from rankscope.mixin.promql import recorded_names
+from rankscope.mixin.rules import areas, inlined
 
 __all__ = [
     "Selector",
@@ -45,8 +56,10 @@ __all__ = [
     "federation_job",
     "is_shard_local",
     "render",
+    "fresh",
     "selectors",
     "split",
+    "view_name",
 ]
 
 #: A grouping that keeps one of these labels groups within one shard: targets are split by node, and a target
@@ -54,6 +67,10 @@ __all__ = [
 LOCAL_LABELS = frozenset({"node", "instance"})
 #: The federation scrape job's name on the global server.
 FEDERATE_JOB = "rankscope-federate"
+#: A shard's view of a run-level record is recorded under this prefix (see view_name).
+VIEW_PREFIX = "shard_"
+#: The shipped scrape and evaluation interval (prometheus/prometheus.yml).
+DEFAULT_INTERVAL = "5s"
 
 _AGGREGATORS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk",
                 "quantile", "limitk", "limit_ratio"}  # fmt: skip
@@ -227,37 +244,96 @@ def _minimal(found: set[Selector]) -> tuple[Selector, ...]:
     return tuple(sorted(s for s in found if not any(o != s and o.covers(s) for o in found)))
 
 
-def split(t: Tunables) -> ShardedLayout:
-    """The rule pack of `t`, split between the shards and the global server."""
+def view_name(name: str) -> str:
+    """The name a run-level record's shard view is recorded under on each shard (``run:x:y`` -> ``shard_run:x:y``):
+    the run as that shard sees it, over its own ranks. Never federated: the global server records the run's own."""
+    return VIEW_PREFIX + name
+
+
+def fresh(name: str, seconds: float) -> str:
+    """The samples of the federated series `name` at most `seconds` old: a federated sample keeps its timestamp, and
+    Prometheus keeps a vanished series' last one for its lookback delta (5 minutes), never marking it stale."""
+    return f"{name} and (timestamp({name}) > time() - {seconds:g})"
+
+
+def _renamed_reads(expr: str, names: dict[str, str]) -> str:
+    for old, new in names.items():
+        expr = re.sub(rf"(?<![\w:]){re.escape(old)}(?![\w:])", new, expr)
+    return expr
+
+
+def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
+    """The rule pack of `t`, split between the shards and the global server (`interval`: the scrape and evaluation
+    interval of both, unless `t.evaluation_interval` sets the rules' own)."""
     shard_groups: dict[str, dict[str, Any]] = {}
     global_groups: dict[str, dict[str, Any]] = {}
     on_shard: set[str] = set()
+    every = areas(t)
+    views = {name: view_name(name) for area in every for name in area.shard_views}
+    transient = {name for area in every for name in area.transient}
 
-    def shard_can(rule: dict[str, Any]) -> bool:
+    def shard_can(rule: dict[str, Any], gated: bool = False) -> bool:
         read = selectors(rule["expr"])
         # A record that carries its own last value forward reads itself: on the shard, that is its shard's copy.
         own = {*on_shard, rule["record"]}
-        return all(not s.recorded or s.name in own for s in read) and is_shard_local(rule["expr"])
+        if not all(not s.recorded or s.name in own for s in read):
+            return False
+        # A shard record gated on its shard's view of its run joins the run's view by design.
+        return is_shard_local(rule["expr"]) or (gated and any(s.name in views.values() for s in read))
 
-    for area in areas(t):  # in dependency order: a record's inputs are placed before it
+    on_global: set[str] = set()
+    for area in every:  # in dependency order: a record's inputs are placed before it
         shard_rules: list[dict[str, Any]] = []
         global_rules: list[dict[str, Any]] = []
-        for rule in area.sharded_records(t):
-            if shard_can(rule):
+        records = list(area.module.records(t))
+        for rule in records:  # the shard views first: the shard records' gates read them
+            if rule["record"] in views:
+                shard_rules.append({"record": views[rule["record"]], "expr": _renamed_reads(rule["expr"], views)})
+                on_shard.add(views[rule["record"]])
+        # The shard records, then the others, each once what it reads is placed (a shard record may read a record
+        # of its own area, and that one a shard record).
+        pending = [({**r, "expr": _renamed_reads(r["expr"], views)}, True) for r in area.shard_records(t)]
+        pending += [(rule, False) for rule in records]
+        while pending:
+            placed = on_shard | on_global
+            ready = next(
+                (
+                    i
+                    for i, (rule, _) in enumerate(pending)
+                    if not recorded_names(rule["expr"]) - placed - {rule["record"]}
+                ),
+                None,
+            )
+            if ready is None:
+                raise ValueError(
+                    f"records of {area.group} read each other in a cycle: {[r['record'] for r, _ in pending]}"
+                )
+            rule, declared = pending.pop(ready)
+            if declared and not shard_can(rule, gated=True):
+                raise ValueError(f"shard record {rule['record']} reads what its shard cannot see: {rule['expr']!r}")
+            if declared or shard_can(rule):
                 shard_rules.append(rule)
                 on_shard.add(rule["record"])
             else:
                 global_rules.append(rule)
+                on_global.add(rule["record"])
         global_rules += [alert.to_rule(t) for alert in area.alerts(t)]
         if shard_rules:
             shard_groups[area.file_name] = _group(area.group, shard_rules, t)
         if global_rules:
             global_groups[area.file_name] = _group(area.group, global_rules, t)
-    on_global = {rule["record"] for group in global_groups.values() for rule in group["rules"] if "record" in rule}
+    # The global server reads a transient shard record's fresh samples only: within two intervals (one for the
+    # shard's evaluation, one for the federation's scrape) and one to spare.
+    window = 3 * duration_seconds(t.evaluation_interval or interval)
+    freshened = {name: fresh(name, window) for name in transient}
+    for group in global_groups.values():
+        group["rules"] = [{**rule, "expr": inlined(rule["expr"], freshened)} for rule in group["rules"]]
     read_on_global = {s for group in global_groups.values() for rule in group["rules"] for s in selectors(rule["expr"])}
     unknown = sorted(s.name for s in read_on_global if s.recorded and s.name not in on_global | on_shard)
     if unknown:
         raise ValueError(f"global rules read series no rule records: {unknown}")
+    if not_views := sorted(s.name for s in read_on_global if s.name in views.values()):
+        raise ValueError(f"global rules read a shard's view of its run: {not_views}")
     federated = {
         Selector(s.name) if s.recorded else s for s in read_on_global if not (s.recorded and s.name in on_global)
     }
@@ -310,7 +386,7 @@ def render(t: Tunables, shards: int, scrape_interval: str, alertmanager: str) ->
     """Relative path (under --out) -> text of every file of the sharded layout for `shards` shards."""
     if shards < 1:
         raise ValueError(f"--shards must be at least 1, got {shards}")
-    layout = split(t)
+    layout = split(t, scrape_interval)
     header = _yaml.HEADER
     files: dict[str, str] = {}
     for name, group in layout.shard_groups.items():

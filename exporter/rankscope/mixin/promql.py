@@ -106,6 +106,10 @@ COMPUTE_BUSY = f"run_rank:{metric_name('compute_duration_seconds', 'sum')}:rate"
 STEP_MEAN = f"run_rank:{metric_name('step_duration_seconds')}:mean"
 DATA_WAIT_SLOW_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:slow_share"
 DATA_WAIT_STEP_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:step_share"
+#: Ranks over the data-loader alert's lines (label `signal`), and ranks (one per node) whose mean step time is over
+#: the slow-step line: present only then, valued the share or the mean.
+DATA_WAIT_OVER = f"run_rank:{metric_name('data_wait_seconds')}:over_line"
+STEP_MEAN_OVER = f"run_rank:{metric_name('step_duration_seconds')}:mean_over_line"
 COMPUTE_MEDIAN = f"run:{metric_name('compute_duration_seconds')}:median"
 IMBALANCE = f"run:{metric_name('compute_duration_seconds')}:imbalance_ratio"
 STRAGGLER = f"run:{metric_name('compute_duration_seconds')}:straggler_ratio"
@@ -144,6 +148,12 @@ RUN_ENDED = f"run:{metric_name('run_finished')}:ended"
 RANK_SEEN_AT = f"run_rank:{metric_name('run_info')}:last_seen_timestamp_seconds"
 #: Ranks whose last word within the rank-down lookback was "finished", valued when they said it.
 RANK_FINISHED_AT = f"run_rank:{metric_name('run_finished')}:finished_timestamp_seconds"
+#: Each node's RUN_FINISHED_RECENT (present while a rank of it served within the window).
+RUN_FINISHED_NODE_RECENT = f"run_node:{metric_name('run_finished')}:min_recent"
+#: Scrape targets that cannot be scraped, with the run and rank they stand for (present only while down).
+RANK_DOWN = "run_rank:up:down"
+#: Ranks whose previous process vanished within the vanished window (present only then), valued when it did.
+RANK_VANISHED_RECENT = f"run_rank:{metric_name('previous_process_vanished_timestamp_seconds')}:recent"
 # hangs
 HANG_STEP_SECONDS = f"run:{metric_name('step_duration_seconds')}:hang_reference_mean"
 HANG_THRESHOLD = f"run:{metric_name('last_step_timestamp_seconds')}:hang_threshold_seconds"
@@ -159,6 +169,16 @@ PHASE_RANKS = f"run:{metric_name('phase')}:ranks_by_phase"
 #: The most and the fewest collectives a rank of the run has started (summed over mesh dimensions).
 COLLECTIVES_MAX = f"run:{metric_name('collectives_total')}:max"
 COLLECTIVES_MIN = f"run:{metric_name('collectives_total')}:min"
+#: Each node's part of those (present while the node has a rank in that phase; its excused ranks' flag while it
+#: has one): the sharded layout's shards record them, the global server builds the run's from them.
+PHASE_NODE_RANKS = f"run_node:{metric_name('phase')}:ranks_by_phase"
+COLLECTIVES_NODE_MAX = f"run_node:{metric_name('collectives_total')}:max"
+COLLECTIVES_NODE_MIN = f"run_node:{metric_name('collectives_total')}:min"
+HANG_NODE_EXCUSED = f"run_node:{metric_name('phase')}:hang_excused"
+#: Each rank's phase and collective count while its run may be hung (no step for half its hang threshold): what
+#: the hang suspects compare, recorded by the shards only then, so a healthy run federates none of them.
+HANG_CANDIDATE_PHASE = f"run_rank:{metric_name('phase')}:hang_candidate"
+HANG_CANDIDATE_COLLECTIVES = f"run_rank:{metric_name('collectives_total')}:hang_candidate"
 # reliability
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
 CHECKPOINT_FAILED_AT = f"run:{metric_name('checkpoint_failures_total')}:failure_timestamp_seconds"
@@ -167,6 +187,8 @@ LAST_CHECKPOINT_NODE_MAX = f"run_node:{metric_name('last_checkpoint_timestamp_se
 HOST_MEMORY_NODE_MAX = f"run_node:{metric_name('host_memory_used_ratio')}:max"
 #: Each rank's device memory of the configured kind (device_memory_kind) over its total; NaN where the total is 0.
 DEVICE_MEMORY_RATIO = f"run_rank:{metric_name('device_memory_bytes')}:used_ratio"
+#: Ranks whose DEVICE_MEMORY_RATIO is over the alert's line (present only then).
+DEVICE_MEMORY_OVER = f"run_rank:{metric_name('device_memory_bytes')}:used_ratio_over_line"
 # efficiency
 GOODPUT_BUCKETS = f"run:{metric_name('goodput_seconds_total')}:by_bucket"
 GOODPUT_WALL = f"run:{metric_name('goodput_seconds_total')}:wall"

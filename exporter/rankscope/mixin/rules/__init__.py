@@ -6,11 +6,16 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
 
 - ``records(t) -> list[dict]``: the group's recording rules, in dependency order;
 - ``alerts(t) -> list[Alert]``: its alerts, evaluated after its records in the same pass;
-- optionally ``shard_records(t) -> list[dict]``: per-rank values that only the sharded layout records (on its
-  shards, so that the global server federates one series per rank where its rules would read several). One
-  server computes each inside the rules that read it instead: recording a value for every rank writes
-  thousands of samples per evaluation, which at 4096 ranks costs more than the alerts that read it
-  (benchmarks.scale). Both layouts evaluate the same expression, so the alerts are the same.
+- optionally ``shard_records(t) -> list[dict]``: per-rank or per-node values that only the sharded layout records
+  (on its shards, so that the global server federates one series per rank or node where its rules would read
+  several per rank). One server computes each inside the rules that read it instead: recording a value for
+  every rank writes thousands of samples per evaluation, which at 4096 ranks costs more than the alerts that
+  read it (benchmarks.scale). Both layouts evaluate the same expression, so the alerts are the same;
+- optionally ``SHARD_VIEWS``: names of its run-level records that each shard also evaluates over its own ranks,
+  under another name (rankscope.mixin.layout), for shard records that record only while their run may need
+  them (a gate: one server reads its run-level record there);
+- optionally ``TRANSIENT``: its shard records that are present only while their condition holds; the global
+  server reads only their fresh samples.
 
 Areas are found by listing this package (modules starting with ``_`` are skipped), and the groups are
 ordered so that a group comes after every group whose recorded series it reads. Prometheus evaluates
@@ -107,6 +112,16 @@ class Area:
         """The recording rules only the sharded layout's shards evaluate (read only scraped series)."""
         return list(getattr(self.module, "shard_records", lambda _: [])(t))
 
+    @property
+    def shard_views(self) -> tuple[str, ...]:
+        """Its run-level records each shard also evaluates over its own ranks (for its shard records' gates)."""
+        return tuple(getattr(self.module, "SHARD_VIEWS", ()))
+
+    @property
+    def transient(self) -> tuple[str, ...]:
+        """Its shard records that are present only while their condition holds."""
+        return tuple(getattr(self.module, "TRANSIENT", ()))
+
     def alerts(self, t: Tunables) -> list[Alert]:
         return list(self.module.alerts(t))
 
@@ -122,8 +137,12 @@ class Area:
 
 
 def shard_expressions(t: Tunables) -> dict[str, str]:
-    """Every shard record's name -> its expression."""
-    return {rule["record"]: rule["expr"] for area in _modules() for rule in area.shard_records(t)}
+    """Every shard record's name -> its expression, with the shard records it reads (listed before it) inlined."""
+    found: dict[str, str] = {}
+    for area in _modules():
+        for rule in area.shard_records(t):
+            found[rule["record"]] = inlined(rule["expr"], found)
+    return found
 
 
 def inlined(expr: str, inline: dict[str, str]) -> str:

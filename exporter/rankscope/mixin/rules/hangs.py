@@ -30,13 +30,20 @@ from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
     COLLECTIVES_MAX,
     COLLECTIVES_MIN,
+    COLLECTIVES_NODE_MAX,
+    COLLECTIVES_NODE_MIN,
+    HANG_CANDIDATE_COLLECTIVES,
+    HANG_CANDIDATE_PHASE,
     HANG_EXCUSED_AT,
+    HANG_NODE_EXCUSED,
     HANG_STALLED,
     HANG_STEP_SECONDS,
     HANG_SUSPECTS,
     HANG_THRESHOLD,
     LAST_STEP_AGE,
+    NODE,
     ONE_PER_NODE,
+    PHASE_NODE_RANKS,
     PHASE_RANKS,
     RANK,
     RUN,
@@ -80,21 +87,56 @@ def _phase_excuses(t: Tunables, started: str) -> list[str]:
     ]
 
 
+#: Run-level records each shard of the sharded layout also evaluates over its own ranks (renamed there,
+#: rankscope.mixin.layout): the hang candidates' gate. A shard's view of its run's last step is at least as old as
+#: the run's (its nodes are some of the run's), and its step time the run's (every rank completes every step).
+SHARD_VIEWS = (HANG_STEP_SECONDS, LAST_STEP_AGE)
+#: Shard records present only while their condition holds: the global server reads only their fresh samples (a
+#: federated series that vanished keeps its last sample there for the lookback delta).
+TRANSIENT = (PHASE_NODE_RANKS, HANG_NODE_EXCUSED, HANG_CANDIDATE_PHASE, HANG_CANDIDATE_COLLECTIVES)
+#: The candidates are recorded from half the hang threshold on: before the run-level alert condition can hold,
+#: so that they have reached the global server by then.
+_CANDIDATE_SHARE = 0.5
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """Each node's part of what the suspects compare, and each rank's phase and collective count while its run may
+    be hung. One server computes them inside the records below; the sharded layout's shards record them, so that
+    the global server reads one series per node (and per rank only for a run that may be hung), not four per rank
+    at every evaluation."""
+    phase = metric_name("phase")
+    started = metric_name("phase_started_timestamp_seconds")
+    # A pause is applied on every rank at one step: one rank per node stands for all.
+    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
+    # Half the threshold (HANG_THRESHOLD's expression, halved), read from the same level-1 series as the threshold so
+    # that the suspects stay two recording levels above the scraped data.
+    floor = t.hang_floor_seconds * _CANDIDATE_SHARE
+    half = (
+        f"clamp_min(last_over_time({HANG_STEP_SECONDS}[{t.hang_step_lookback}]) * "
+        f"{num(t.hang_step_multiple * _CANDIDATE_SHARE)}, {num(floor)})"
+    )
+    may_be_hung = f"({LAST_STEP_AGE} > on ({RUN}) ({half} or on ({RUN}) {LAST_STEP_AGE} * 0 + {num(floor)}))"
+    return [
+        {"record": PHASE_NODE_RANKS, "expr": f'count_values by ({NODE}) ("phase", {phase})'},
+        {"record": COLLECTIVES_NODE_MAX, "expr": f"max by ({NODE}) ({_counts()})"},
+        {"record": COLLECTIVES_NODE_MIN, "expr": f"min by ({NODE}) ({_counts()})"},
+        {"record": HANG_NODE_EXCUSED, "expr": f"max by ({NODE}) (\n  " + "\n  or\n  ".join(excuses) + "\n) * 0 + 1"},
+        {"record": HANG_CANDIDATE_PHASE, "expr": f"{phase} and on ({RUN}) {may_be_hung}"},
+        {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {may_be_hung}"},
+    ]
+
+
 def records(t: Tunables) -> list[dict[str, str]]:
     """Every rank's phase, phase start, last step and collective count is read at most three times per
     evaluation (each read of a per-rank series costs about its number of ranks in series lookups): the run-level
     facts the suspects need are recorded first, and the suspects themselves only for a run past its threshold."""
-    phase = metric_name("phase")
-    started = metric_name("phase_started_timestamp_seconds")
-    step = metric_name("step_duration_seconds")
-    last_step = metric_name("last_step_timestamp_seconds")
-    # A pause is applied on every rank at one step: one rank per node stands for all.
-    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).
     maybe_hung = f"({LAST_STEP_AGE} > {num(t.hang_floor_seconds)})"
     since_excused = f"(time() - max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]))"
+    last_step = metric_name("last_step_timestamp_seconds")
+    step = metric_name("step_duration_seconds")
     return [
         {
             # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
@@ -128,7 +170,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
             # dates it; a run is not hung the moment a long checkpoint ends, only once nothing followed it for
             # the threshold.
             "record": HANG_EXCUSED_AT,
-            "expr": f"max by ({RUN}) (\n  " + "\n  or\n  ".join(excuses) + "\n) * 0 + time()",
+            "expr": f"max by ({RUN}) ({HANG_NODE_EXCUSED}) * 0 + time()",
         },
         {
             # From the last activity; absent until the run's ranks completed a step (start-up, the first step).
@@ -140,10 +182,10 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"or on ({RUN})\n"
             f"{LAST_STEP_AGE}",
         },
-        # What the suspects compare each rank with, one read of the phase and two of the counts for every run.
-        {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {phase})'},
-        {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({_counts()})"},
-        {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({_counts()})"},
+        # What the suspects compare each rank with, from each node's part.
+        {"record": PHASE_RANKS, "expr": f"sum by ({RUN}, phase) ({PHASE_NODE_RANKS})"},
+        {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({COLLECTIVES_NODE_MAX})"},
+        {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({COLLECTIVES_NODE_MIN})"},
         {
             # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring). Only
             # for a run without a step for longer than the floor, below which the alert cannot fire: a healthy
@@ -151,14 +193,15 @@ def records(t: Tunables) -> list[dict[str, str]]:
             # with those few runs before it labels anything.
             "record": HANG_SUSPECTS,
             "expr": f"label_replace(\n"
-            f"  {phase} != {_COLLECTIVE} and on ({RUN}) ({in_collective} and on ({RUN}) {maybe_hung}),\n"
+            f"  {HANG_CANDIDATE_PHASE} != {_COLLECTIVE} and on ({RUN}) ({in_collective} and on ({RUN}) {maybe_hung}),\n"
             f'  "suspect", "outside_collective", "", ""\n'
             f")\n"
             f"or\n"
             f"label_replace(\n"
-            f"  ({phase} == {_COLLECTIVE})\n"
+            f"  ({HANG_CANDIDATE_PHASE} == {_COLLECTIVE})\n"
             f"  and on ({RANK})\n"
-            f"  ({_counts()} < on ({RUN}) group_left () ({COLLECTIVES_MAX} and on ({RUN}) {maybe_hung})),\n"
+            f"  ({HANG_CANDIDATE_COLLECTIVES} < on ({RUN}) group_left ()"
+            f" ({COLLECTIVES_MAX} and on ({RUN}) {maybe_hung})),\n"
             f'  "suspect", "lagging_collectives", "", ""\n'
             f")\n"
             f"or\n"

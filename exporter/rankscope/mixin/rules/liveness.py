@@ -6,13 +6,17 @@ from rankscope.contract import PHASES
 from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import (
+    NODE,
     ONE_PER_NODE,
     PAUSED_MAX,
     RANK,
+    RANK_DOWN,
     RANK_FINISHED_AT,
     RANK_SEEN_AT,
+    RANK_VANISHED_RECENT,
     RUN,
     RUN_ENDED,
+    RUN_FINISHED_NODE_RECENT,
     RUN_FINISHED_RECENT,
     metric_name,
     num,
@@ -21,6 +25,44 @@ from rankscope.mixin.rules import RANK_TEXT, Alert
 
 #: The phases of a step lie between these two (rankscope.contract.PHASES): data wait, compute, collective.
 _STEP_BOUNDARY, _CHECKPOINT = PHASES.index("step_boundary"), PHASES.index("checkpoint")
+
+
+#: Present only while their condition holds (rankscope.mixin.rules: the global server reads their fresh samples).
+TRANSIENT = (RUN_FINISHED_NODE_RECENT, RANK_DOWN, RANK_VANISHED_RECENT)
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """What the sharded layout's shards decide for their own ranks and targets: each node's part of whether its run
+    still runs, the targets that are down (with the run and rank each stands for), and the ranks whose previous
+    process vanished. One server computes them inside the rules that read them; the global server then reads one
+    series per node and only the few down or vanished ranks, not every rank's."""
+    return [
+        # 0 while a rank of the node that served metrics within the window says it is running (see RUN_FINISHED_RECENT).
+        {
+            "record": RUN_FINISHED_NODE_RECENT,
+            "expr": f"min by ({NODE}) (last_over_time({metric_name('run_finished')}[{t.live_window}]))",
+        },
+        {
+            # The `up` series of a rank carries run_id/rank when service discovery sets them (file_sd from the
+            # trainer, Kubernetes); with static targets they come from the metrics the rank served last
+            # (RANK_SEEN_AT): a static target stands for the newest run it served within the lookback, an older run
+            # on the same port is history, not a rank that is down now.
+            "record": RANK_DOWN,
+            "expr": f'max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
+            f"or\n"
+            f"max by ({RANK}, instance) (\n"
+            f"  (up == 0)\n"
+            f"  * on (job, instance) group_left ({RANK})\n"
+            f"  topk by (job, instance) (1, {RANK_SEEN_AT})\n"
+            f")",
+        },
+        {
+            # Set by the rank's next process when the one before it left no word of its ending (rankscope.exits).
+            "record": RANK_VANISHED_RECENT,
+            "expr": f"{metric_name('previous_process_vanished_timestamp_seconds')} > time() - "
+            f"{num(duration_seconds(t.vanished_window))}",
+        },
+    ]
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
@@ -36,7 +78,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
         # 0 while a rank that served metrics within the window says it is running, 1 when every such rank said
         # it finished, absent when none served any. A range, not an instant read: after a restart Prometheus
         # writes no staleness markers for targets gone meanwhile, and their last samples read as present for 5m.
-        {"record": RUN_FINISHED_RECENT, "expr": f"min by ({RUN}) (last_over_time({finished}[{t.live_window}]))"},
+        {"record": RUN_FINISHED_RECENT, "expr": f"min by ({RUN}) ({RUN_FINISHED_NODE_RECENT})"},
         # A run seen within the lookback that no running rank stands for: finished, or vanished.
         {
             "record": RUN_ENDED,
@@ -97,22 +139,8 @@ def alerts(t: Tunables) -> list[Alert]:
         ),
         Alert(
             "RankscopeRankDown",
-            # The `up` series of a rank carries run_id/rank when service discovery sets them (file_sd from
-            # the trainer, Kubernetes); with static targets they come from the metrics the rank served last
-            # (RANK_SEEN_AT): a static target stands for the newest run it served within the lookback, an older
-            # run on the same port is history, not a rank that is down now.
             # A rank whose last word was "finished cleanly" (rankscope_run_finished) is gone, not down.
-            f"(\n"
-            f'  max by ({RANK}, instance) (up{{run_id!="", rank!=""}} == 0)\n'
-            f"  or\n"
-            f"  max by ({RANK}, instance) (\n"
-            f"    (up == 0)\n"
-            f"    * on (job, instance) group_left ({RANK})\n"
-            f"    topk by (job, instance) (1, {RANK_SEEN_AT})\n"
-            f"  )\n"
-            f")\n"
-            f"unless on (run_id, rank)\n"
-            f"{RANK_FINISHED_AT}",
+            f"{RANK_DOWN}\nunless on (run_id, rank)\n{RANK_FINISHED_AT}",
             t.rank_down_for,
             t.rank_down_severity,
             "A rank of a live run cannot be scraped.",
@@ -125,8 +153,7 @@ def alerts(t: Tunables) -> list[Alert]:
             # Set by the rank's next process when the one before it left no word of its ending (rankscope.exits):
             # torchrun restarts the group in seconds, before RankscopeRankDown's `for`, and only this names the
             # rank that died rather than those the agent stopped after it.
-            f"{metric_name('previous_process_vanished_timestamp_seconds')} > time() - "
-            f"{num(duration_seconds(t.vanished_window))}",
+            RANK_VANISHED_RECENT,
             t.vanished_for,
             t.vanished_severity,
             "A rank's process died without a word and the group was restarted.",

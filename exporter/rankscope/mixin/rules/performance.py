@@ -9,6 +9,7 @@ from rankscope.mixin.promql import (
     COMM_SUM_RATE,
     COMPUTE_BUSY,
     COMPUTE_MEDIAN,
+    DATA_WAIT_OVER,
     DATA_WAIT_SLOW_SHARE,
     DATA_WAIT_STEP_SHARE,
     IMBALANCE,
@@ -21,6 +22,7 @@ from rankscope.mixin.promql import (
     SAMPLES_RATE,
     STEP_BUCKET_RATE,
     STEP_MEAN,
+    STEP_MEAN_OVER,
     STEP_QUANTILES,
     STEP_SUM_RATE,
     STEPS_RATE,
@@ -85,6 +87,10 @@ def records(t: Tunables) -> list[dict[str, str]]:
     ]  # fmt: skip
 
 
+#: Present only while a rank is over a line (rankscope.mixin.rules: the global server reads their fresh samples).
+TRANSIENT = (DATA_WAIT_OVER, STEP_MEAN_OVER)
+
+
 def shard_records(t: Tunables) -> list[dict[str, str]]:
     """What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
     one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
@@ -123,6 +129,18 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
             "expr": f"(\n  rate({data}_sum[{w}])\n  / on ({NODE}) group_left ()\n"
             f"  max by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))\n)\n% +Inf",
         },
+        # What the two alerts compare, on the shards: the global server reads only the ranks over a line. Each
+        # rank's shares as recorded (series by series), aggregated at the end, where only those ranks are left.
+        {
+            "record": DATA_WAIT_OVER,
+            "expr": f"max by ({RANK}, signal) (\n"
+            f'  label_replace({DATA_WAIT_SLOW_SHARE} > 0.1, "signal", "p90_wait", "", "")\n'
+            f"  or\n"
+            f'  label_replace({DATA_WAIT_STEP_SHARE} > {num(t.data_wait_share)}, "signal", "wait_share", "", "")\n'
+            f")",
+        },
+        # A run that stopped stepping has no mean (NaN: its count's rate is 0): a stall, not slow steps.
+        {"record": STEP_MEAN_OVER, "expr": f"max by ({RANK}) ({STEP_MEAN})\n> {num(t.slow_step_seconds)}"},
     ]  # fmt: skip
 
 
@@ -145,13 +163,7 @@ def alerts(t: Tunables) -> list[Alert]:
         ),
         Alert(
             "RankscopeDataLoaderBottleneck",
-            # Each rank's shares as recorded (series by series), aggregated at the end, where only the ranks over
-            # a line are left.
-            f"max by ({RANK}, signal) (\n"
-            f'  label_replace({DATA_WAIT_SLOW_SHARE} > 0.1, "signal", "p90_wait", "", "")\n'
-            f"  or\n"
-            f'  label_replace({DATA_WAIT_STEP_SHARE} > {num(t.data_wait_share)}, "signal", "wait_share", "", "")\n'
-            f")",
+            DATA_WAIT_OVER,
             t.data_loader_for,
             t.data_loader_severity,
             "A rank waits too long for its data loader.",
@@ -173,9 +185,8 @@ def alerts(t: Tunables) -> list[Alert]:
         Alert(
             "RankscopeSlowSteps",
             # Each rank's mean step time over the window, from its own rates (the ratio of two rates taken at one
-            # time). A run that stopped stepping has no mean (NaN: its count's rate is 0): a stall, not slow steps.
-            # A paused run is excluded at once, as the stall alert excludes it.
-            f"max by ({RANK}) ({STEP_MEAN})\n> {num(t.slow_step_seconds)}\nunless on ({RUN})\n{PAUSED_MAX} > 0",
+            # time). A paused run is excluded at once, as the stall alert excludes it.
+            f"{STEP_MEAN_OVER}\nunless on ({RUN})\n{PAUSED_MAX} > 0",
             t.slow_step_for,
             t.slow_step_severity,
             f"Training steps are slow: a rank's mean step time is above its threshold{slow_steps[0]}.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rankscope.mixin.config import Tunables, effect
 from rankscope.mixin.promql import (
+    DEVICE_MEMORY_OVER,
     DEVICE_MEMORY_RATIO,
     HOST_MEMORY_NODE_MAX,
     NODE,
@@ -14,6 +15,14 @@ from rankscope.mixin.promql import (
     present_ratio,
 )
 from rankscope.mixin.rules import RANK_TEXT, Alert
+
+#: Present only while a rank is over the line (rankscope.mixin.rules: the global server reads their fresh samples).
+TRANSIENT = (DEVICE_MEMORY_OVER,)
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """The ranks over the device-memory line, on the sharded layout's shards: the global server reads those only."""
+    return [{"record": DEVICE_MEMORY_OVER, "expr": f"{DEVICE_MEMORY_RATIO} > {num(t.device_memory_ratio)}"}]
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
@@ -52,7 +61,7 @@ def alerts(t: Tunables) -> list[Alert]:
         ),
         Alert(
             "RankscopeDeviceMemoryHigh",
-            f"{DEVICE_MEMORY_RATIO} > {num(t.device_memory_ratio)}",
+            DEVICE_MEMORY_OVER,
             t.device_memory_for,
             t.device_memory_severity,
             f"A rank's accelerator memory is nearly full; {memory}.",
