@@ -155,9 +155,12 @@ def test_a_shard_evaluates_only_what_its_own_ranks_decide(t: Tunables) -> None:
 
 def test_federated_selectors_keep_the_rules_matchers_so_few_series_per_rank_cross() -> None:
     federated = {str(s) for s in split(Tunables()).federated}
-    # Histograms cross as the one bucket (or one rank per node) the rules read, never whole.
-    assert 'rankscope_step_duration_seconds_bucket{local_rank="0"}' in federated
-    assert "rankscope_step_duration_seconds_bucket" not in federated
+    # Histograms cross as each node's rates of the buckets the rules read (one rank per node), never whole.
+    assert "run_node:rankscope_step_duration_seconds_bucket:rate" in federated
+    assert (
+        not {"rankscope_step_duration_seconds_bucket", 'rankscope_step_duration_seconds_bucket{local_rank="0"}'}
+        & federated
+    )
     # What the rules sum, average or take the highest of over a run's ranks crosses as each node's part, and what
     # they compare with a line per rank as the rank's ratio (issue 32): never as every rank's series.
     names = {s.name for s in split(Tunables()).federated}
@@ -166,8 +169,11 @@ def test_federated_selectors_keep_the_rules_matchers_so_few_series_per_rank_cros
     per_rank_ratios = ("data_wait_seconds_bucket", "data_wait_seconds_count", "data_wait_seconds_sum",
                        "device_memory_bytes", "run_info")  # fmt: skip
     assert not names & {f"rankscope_{name}" for name in summed + per_rank_ratios}
-    assert 'rankscope_step_duration_seconds_sum{local_rank="0"}' in federated
-    assert "rankscope_step_duration_seconds_sum" not in federated
+    # Nor does any rank's series that the rules read over a window: each node's rates cross instead.
+    assert (
+        not {"rankscope_step_duration_seconds_sum", 'rankscope_step_duration_seconds_sum{local_rank="0"}'} & federated
+    )
+    assert "run_node:rankscope_step_duration_seconds_sum:hang_rate" in federated
     assert {"run_node:rankscope_samples:rate", "run_node:rankscope_grad_norm:max"} <= federated
     # What the rules compare with a line per rank crosses only for the ranks over it, and the hang suspects' phases
     # and counts only while a run may be hung: a healthy run federates none of them.

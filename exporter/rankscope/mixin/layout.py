@@ -285,8 +285,10 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
     for area in every:  # in dependency order: a record's inputs are placed before it
         shard_rules: list[dict[str, Any]] = []
         global_rules: list[dict[str, Any]] = []
-        records = list(area.module.records(t))
-        for rule in records:  # the shard views first: the shard records' gates read them
+        records = area.sharded_module_records(t)
+        # The shard views first (the shard records' gates read them), as one server writes them: over the shard's
+        # own scraped series.
+        for rule in area.module.records(t):
             if rule["record"] in views:
                 shard_rules.append({"record": views[rule["record"]], "expr": _renamed_reads(rule["expr"], views)})
                 on_shard.add(views[rule["record"]])

@@ -117,10 +117,22 @@ STEP_BUCKET_RATE = f"run:{metric_name('step_duration_seconds', 'bucket')}:rate"
 STEP_SUM_RATE = f"run:{metric_name('step_duration_seconds', 'sum')}:avg_rate"
 COMM_SUM_RATE = f"run:{metric_name('comm_duration_seconds', 'sum')}:avg_rate"
 COMM_SHARE = f"run:{metric_name('comm_duration_seconds')}:share"
+#: Each node's sum and count of its ranks' comm-time rates: the sharded layout's COMM_SUM_RATE is their run's mean.
+COMM_NODE_SUM_RATE = f"run_node:{metric_name('comm_duration_seconds', 'sum')}:rate"
+COMM_NODE_RANKS = f"run_node:{metric_name('comm_duration_seconds', 'sum')}:ranks"
 STEP_QUANTILES = {q: f"run:{metric_name('step_duration_seconds')}:{_quantile_name(q)}" for q in (0.5, 0.99)}
 SAMPLES_RATE = f"run:{_counter('samples_total')}:rate"
 TOKENS_RATE = f"run:{_counter('tokens_total')}:rate"
 STEPS_RATE = f"run:{_counter('steps_total')}:rate"
+#: Each node's part of the step-time figures read from its local rank 0 (sums of its local ranks 0's rates, and
+#: how many there are): the sharded layout builds the run's from them.
+STEP_BUCKET_NODE_RATE = f"run_node:{metric_name('step_duration_seconds', 'bucket')}:rate"
+STEPS_NODE_RATE = f"run_node:{_counter('steps_total')}:rate"
+STEPS_NODE_SOURCES = f"run_node:{_counter('steps_total')}:rate_count"
+STEP_SUM_NODE_RATE = f"run_node:{metric_name('step_duration_seconds', 'sum')}:rate"
+STEP_SUM_NODE_SOURCES = f"run_node:{metric_name('step_duration_seconds', 'sum')}:rate_count"
+HANG_STEP_SUM_NODE_RATE = f"run_node:{metric_name('step_duration_seconds', 'sum')}:hang_rate"
+HANG_STEP_COUNT_NODE_RATE = f"run_node:{metric_name('step_duration_seconds', 'count')}:hang_rate"
 SAMPLES_NODE_RATE = f"run_node:{_counter('samples_total')}:rate"
 TOKENS_NODE_RATE = f"run_node:{_counter('tokens_total')}:rate"
 # training
@@ -129,6 +141,10 @@ LOSS_BASELINE = f"run:{metric_name('loss')}:window_median"
 LOSS_WINDOW_LOW = f"run:{metric_name('loss')}:window_min"
 LOSS_WINDOW_HIGH = f"run:{metric_name('loss')}:window_max"
 VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
+#: Each node's sum and count of its ranks' smoothed training losses: the sharded layout's LOSS_SMOOTHED is their
+#: run's mean.
+LOSS_SMOOTHED_NODE_SUM = f"run_node:{metric_name('loss')}:smoothed_sum"
+LOSS_SMOOTHED_NODE_COUNT = f"run_node:{metric_name('loss')}:smoothed_count"
 #: Each node's sum and count of its ranks' latest validation loss: VAL_LOSS is their run's mean.
 VAL_LOSS_NODE_SUM = f"run_node:{metric_name('loss')}:val_sum"
 VAL_LOSS_NODE_COUNT = f"run_node:{metric_name('loss')}:val_count"
@@ -183,6 +199,8 @@ HANG_CANDIDATE_COLLECTIVES = f"run_rank:{metric_name('collectives_total')}:hang_
 CHECKPOINT_FAILURES_MAX = f"run:{metric_name('checkpoint_failures_total')}:max"
 CHECKPOINT_FAILED_AT = f"run:{metric_name('checkpoint_failures_total')}:failure_timestamp_seconds"
 LAST_CHECKPOINT_NODE_MAX = f"run_node:{metric_name('last_checkpoint_timestamp_seconds')}:max"
+#: Each node's highest checkpoint failure count per reason: CHECKPOINT_FAILURES_MAX is their run's highest.
+CHECKPOINT_FAILURES_NODE_MAX = f"run_node:{metric_name('checkpoint_failures_total')}:max"
 # resources
 HOST_MEMORY_NODE_MAX = f"run_node:{metric_name('host_memory_used_ratio')}:max"
 #: Each rank's device memory of the configured kind (device_memory_kind) over its total; NaN where the total is 0.

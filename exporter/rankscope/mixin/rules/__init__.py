@@ -15,7 +15,10 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
   under another name (rankscope.mixin.layout), for shard records that record only while their run may need
   them (a gate: one server reads its run-level record there);
 - optionally ``TRANSIENT``: its shard records that are present only while their condition holds; the global
-  server reads only their fresh samples.
+  server reads only their fresh samples;
+- optionally ``sharded_forms(t) -> dict[str, str]``: records the sharded layout builds another way (a run's mean
+  from its nodes' sums and counts, where one server takes the mean in one read): record name -> expression.
+  tests/test_sharded_equivalence.py holds both forms to the same alerts.
 
 Areas are found by listing this package (modules starting with ``_`` are skipped), and the groups are
 ordered so that a group comes after every group whose recorded series it reads. Prometheus evaluates
@@ -127,8 +130,13 @@ class Area:
 
     def sharded_records(self, t: Tunables) -> list[dict[str, str]]:
         """The recording rules of the sharded layout: the shard records first (they read only scraped series),
-        then the others as written, reading the shard records by name."""
-        return self.shard_records(t) + list(self.module.records(t))
+        then the others as written (or in their sharded form), reading the shard records by name."""
+        return self.shard_records(t) + self.sharded_module_records(t)
+
+    def sharded_module_records(self, t: Tunables) -> list[dict[str, str]]:
+        """The area's own records as the sharded layout evaluates them: each in its sharded form where it has one."""
+        forms: dict[str, str] = getattr(self.module, "sharded_forms", lambda _: {})(t)
+        return [{**rule, "expr": forms.get(rule["record"], rule["expr"])} for rule in self.module.records(t)]
 
     def rules(self, t: Tunables) -> list[dict[str, Any]]:
         """The group's rules on one server."""

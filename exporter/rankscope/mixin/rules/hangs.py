@@ -37,7 +37,9 @@ from rankscope.mixin.promql import (
     HANG_EXCUSED_AT,
     HANG_NODE_EXCUSED,
     HANG_STALLED,
+    HANG_STEP_COUNT_NODE_RATE,
     HANG_STEP_SECONDS,
+    HANG_STEP_SUM_NODE_RATE,
     HANG_SUSPECTS,
     HANG_THRESHOLD,
     LAST_STEP_AGE,
@@ -49,6 +51,7 @@ from rankscope.mixin.promql import (
     RUN,
     metric_name,
     num,
+    rate_by,
 )
 from rankscope.mixin.rules import Alert
 
@@ -116,7 +119,11 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         f"{num(t.hang_step_multiple * _CANDIDATE_SHARE)}, {num(floor)})"
     )
     may_be_hung = f"({LAST_STEP_AGE} > on ({RUN}) ({half} or on ({RUN}) {LAST_STEP_AGE} * 0 + {num(floor)}))"
+    step = metric_name("step_duration_seconds")
     return [
+        # Each node's part of HANG_STEP_SECONDS (its local ranks 0's rates), for its sharded layout's form.
+        {"record": HANG_STEP_SUM_NODE_RATE, "expr": rate_by(NODE, f"{step}_sum", t.hang_step_window, ONE_PER_NODE)},
+        {"record": HANG_STEP_COUNT_NODE_RATE, "expr": rate_by(NODE, f"{step}_count", t.hang_step_window, ONE_PER_NODE)},
         {"record": PHASE_NODE_RANKS, "expr": f'count_values by ({NODE}) ("phase", {phase})'},
         {"record": COLLECTIVES_NODE_MAX, "expr": f"max by ({NODE}) ({_counts()})"},
         {"record": COLLECTIVES_NODE_MIN, "expr": f"min by ({NODE}) ({_counts()})"},
@@ -124,6 +131,14 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         {"record": HANG_CANDIDATE_PHASE, "expr": f"{phase} and on ({RUN}) {may_be_hung}"},
         {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {may_be_hung}"},
     ]
+
+
+def sharded_forms(t: Tunables) -> dict[str, str]:
+    """The run's step time from its nodes' rates: the global server reads no rank's series over a window."""
+    return {
+        HANG_STEP_SECONDS: f"sum by ({RUN}) ({HANG_STEP_SUM_NODE_RATE})\n/\n"
+        f"(sum by ({RUN}) ({HANG_STEP_COUNT_NODE_RATE}) > 0)"
+    }
 
 
 def records(t: Tunables) -> list[dict[str, str]]:

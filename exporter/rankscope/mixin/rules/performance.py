@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from rankscope.mixin.config import IMBALANCE_ALERT, Tunables, effect, sentence
 from rankscope.mixin.promql import (
+    COMM_NODE_RANKS,
+    COMM_NODE_SUM_RATE,
     COMM_SHARE,
     COMM_SUM_RATE,
     COMPUTE_BUSY,
@@ -20,11 +22,16 @@ from rankscope.mixin.promql import (
     RUN,
     SAMPLES_NODE_RATE,
     SAMPLES_RATE,
+    STEP_BUCKET_NODE_RATE,
     STEP_BUCKET_RATE,
     STEP_MEAN,
     STEP_MEAN_OVER,
     STEP_QUANTILES,
+    STEP_SUM_NODE_RATE,
+    STEP_SUM_NODE_SOURCES,
     STEP_SUM_RATE,
+    STEPS_NODE_RATE,
+    STEPS_NODE_SOURCES,
     STEPS_RATE,
     STRAGGLER,
     TOKENS_NODE_RATE,
@@ -129,6 +136,21 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
             "expr": f"(\n  rate({data}_sum[{w}])\n  / on ({NODE}) group_left ()\n"
             f"  max by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))\n)\n% +Inf",
         },
+        # Each node's part of the run's step-time figures (its local ranks 0), for their sharded layout's forms.
+        {"record": STEP_BUCKET_NODE_RATE, "expr": rate_by(f"{NODE}, le", f"{step}_bucket", w, ONE_PER_NODE)},
+        {"record": STEPS_NODE_RATE, "expr": rate_by(NODE, metric_name("steps_total"), w, ONE_PER_NODE)},
+        {
+            "record": STEPS_NODE_SOURCES,
+            "expr": f"count by ({NODE}) (rate({metric_name('steps_total')}{ONE_PER_NODE}[{w}]))",
+        },
+        {"record": STEP_SUM_NODE_RATE, "expr": rate_by(NODE, f"{step}_sum", w, ONE_PER_NODE)},
+        {"record": STEP_SUM_NODE_SOURCES, "expr": f"count by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))"},
+        # Each node's part of the run's mean comm time, for the sharded layout's form of COMM_SUM_RATE.
+        {"record": COMM_NODE_SUM_RATE, "expr": rate_by(NODE, metric_name("comm_duration_seconds", "sum"), w)},
+        {
+            "record": COMM_NODE_RANKS,
+            "expr": f"count by ({NODE}) (rate({metric_name('comm_duration_seconds', 'sum')}[{w}]))",
+        },
         # What the two alerts compare, on the shards: the global server reads only the ranks over a line. Each
         # rank's shares as recorded (series by series), aggregated at the end, where only those ranks are left.
         {
@@ -142,6 +164,22 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         # A run that stopped stepping has no mean (NaN: its count's rate is 0): a stall, not slow steps.
         {"record": STEP_MEAN_OVER, "expr": f"max by ({RANK}) ({STEP_MEAN})\n> {num(t.slow_step_seconds)}"},
     ]  # fmt: skip
+
+
+def sharded_forms(t: Tunables) -> dict[str, str]:
+    """The run's figures from its nodes' parts: the means one server takes in one read of every rank (or of every
+    node's local rank 0) from the nodes' sums and counts, the step-time buckets from the nodes' bucket rates. The
+    global server then reads no rank's series over a window."""
+
+    def mean(total: str, count: str) -> str:
+        return f"sum by ({RUN}) ({total})\n/\nsum by ({RUN}) ({count})"
+
+    return {
+        COMM_SUM_RATE: mean(COMM_NODE_SUM_RATE, COMM_NODE_RANKS),
+        STEPS_RATE: mean(STEPS_NODE_RATE, STEPS_NODE_SOURCES),
+        STEP_SUM_RATE: mean(STEP_SUM_NODE_RATE, STEP_SUM_NODE_SOURCES),
+        STEP_BUCKET_RATE: f"sum by ({RUN}, le) ({STEP_BUCKET_NODE_RATE})",
+    }
 
 
 def alerts(t: Tunables) -> list[Alert]:

@@ -6,6 +6,7 @@ from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import (
     CHECKPOINT_FAILED_AT,
     CHECKPOINT_FAILURES_MAX,
+    CHECKPOINT_FAILURES_NODE_MAX,
     LAST_CHECKPOINT_NODE_MAX,
     NODE,
     RUN,
@@ -13,6 +14,16 @@ from rankscope.mixin.promql import (
     metric_name,
 )
 from rankscope.mixin.rules import Alert
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """Each node's highest failure count per reason, on the sharded layout's shards (one server reads it inline)."""
+    return [
+        {
+            "record": CHECKPOINT_FAILURES_NODE_MAX,
+            "expr": f"max by ({NODE}, reason) ({metric_name('checkpoint_failures_total')})",
+        }
+    ]
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
@@ -28,7 +39,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
         },
         {
             "record": CHECKPOINT_FAILURES_MAX,
-            "expr": f"max by ({RUN}, reason) ({metric_name('checkpoint_failures_total')})",
+            "expr": f"max by ({RUN}, reason) ({CHECKPOINT_FAILURES_NODE_MAX})",
         },
         # Present at the evaluation that sees the run's count grow, valued its time: the latest over a window is
         # when the run last failed (to within an evaluation), to compare with its last good checkpoint.

@@ -9,6 +9,8 @@ from rankscope.mixin.promql import (
     GRAD_NORM_NODE_MAX,
     LOSS_BASELINE,
     LOSS_SMOOTHED,
+    LOSS_SMOOTHED_NODE_COUNT,
+    LOSS_SMOOTHED_NODE_SUM,
     LOSS_WINDOW_HIGH,
     LOSS_WINDOW_LOW,
     NODE,
@@ -25,17 +27,35 @@ from rankscope.mixin.promql import (
 from rankscope.mixin.rules import Alert
 
 
+def _rank_smoothed_loss(t: Tunables) -> str:
+    """Each rank's training loss, smoothed: the median over the smoothing window."""
+    return f'quantile_over_time(0.5, {metric_name("loss")}{{split="train"}}[{t.loss_smoothing_window}])'
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """Each node's sum and count of its ranks' smoothed losses, for the sharded layout's form of LOSS_SMOOTHED."""
+    return [
+        {"record": LOSS_SMOOTHED_NODE_SUM, "expr": f"sum by ({NODE}) ({_rank_smoothed_loss(t)})"},
+        {"record": LOSS_SMOOTHED_NODE_COUNT, "expr": f"count by ({NODE}) ({_rank_smoothed_loss(t)})"},
+    ]
+
+
+def sharded_forms(t: Tunables) -> dict[str, str]:
+    """The run's smoothed loss from its nodes' sums and counts: the mean one server takes in one read of every
+    rank (two would cost it twice as much), without a rank's series on the global server."""
+    return {LOSS_SMOOTHED: f"sum by ({RUN}) ({LOSS_SMOOTHED_NODE_SUM})\n/\nsum by ({RUN}) ({LOSS_SMOOTHED_NODE_COUNT})"}
+
+
 def records(t: Tunables) -> list[dict[str, str]]:
     """The run's smoothed loss and its baseline, and per-run values the alerts read: every rank's series
     is read once per evaluation instead of once per alert."""
-    loss = metric_name("loss")
     return [
         # Each rank's loss is its own micro-batch's: the run's is their average. Over time, the median: a mean lets
         # a few very bad batches (a 12 s spike, over at once) hold the whole window above the line for its length,
         # and the alert then acts on a run that had already recovered.
         {
             "record": LOSS_SMOOTHED,
-            "expr": f'avg by ({RUN}) (quantile_over_time(0.5, {loss}{{split="train"}}[{t.loss_smoothing_window}]))',
+            "expr": f"avg by ({RUN}) ({_rank_smoothed_loss(t)})",
         },
         # The baseline divergence compares with: the smoothed loss's typical level, not its lowest dip.
         {"record": LOSS_BASELINE, "expr": f"quantile_over_time(0.5, {LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
