@@ -294,7 +294,10 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
                 on_shard.add(views[rule["record"]])
         # The shard records, then the others, each once what it reads is placed (a shard record may read a record
         # of its own area, and that one a shard record).
-        pending = [({**r, "expr": _renamed_reads(r["expr"], views)}, True) for r in area.shard_records(t)]
+        pending: list[tuple[dict[str, Any], bool | None]] = [
+            ({**r, "expr": _renamed_reads(r["expr"], views)}, True) for r in area.shard_records(t)
+        ]
+        pending += [(rule, None) for rule in area.global_records(t)]  # None: the global server's by declaration
         pending += [(rule, False) for rule in records]
         while pending:
             placed = on_shard | on_global
@@ -313,7 +316,7 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
             rule, declared = pending.pop(ready)
             if declared and not shard_can(rule, gated=True):
                 raise ValueError(f"shard record {rule['record']} reads what its shard cannot see: {rule['expr']!r}")
-            if declared or shard_can(rule):
+            if declared or (declared is not None and shard_can(rule)):
                 shard_rules.append(rule)
                 on_shard.add(rule["record"])
             else:

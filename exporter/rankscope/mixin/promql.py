@@ -110,6 +110,8 @@ DATA_WAIT_STEP_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:step_share"
 #: the slow-step line: present only then, valued the share or the mean.
 DATA_WAIT_OVER = f"run_rank:{metric_name('data_wait_seconds')}:over_line"
 STEP_MEAN_OVER = f"run_rank:{metric_name('step_duration_seconds')}:mean_over_line"
+#: The slowest rank of each run by COMPUTE_BUSY (recorded by the sharded layout's global server only).
+COMPUTE_SLOWEST = f"run_rank:{metric_name('compute_duration_seconds', 'sum')}:slowest"
 COMPUTE_MEDIAN = f"run:{metric_name('compute_duration_seconds')}:median"
 IMBALANCE = f"run:{metric_name('compute_duration_seconds')}:imbalance_ratio"
 STRAGGLER = f"run:{metric_name('compute_duration_seconds')}:straggler_ratio"

@@ -17,8 +17,10 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
 - optionally ``TRANSIENT``: its shard records that are present only while their condition holds; the global
   server reads only their fresh samples;
 - optionally ``sharded_forms(t) -> dict[str, str]``: records the sharded layout builds another way (a run's mean
-  from its nodes' sums and counts, where one server takes the mean in one read): record name -> expression.
-  tests/test_sharded_equivalence.py holds both forms to the same alerts.
+  from its nodes' sums and counts, where one server takes the mean in one read): record name -> expression;
+  and ``global_records(t) -> list[dict]``: records only the sharded layout's global server records, for those
+  forms (a value several of them read, which one server reads inside each expression to keep its recording
+  levels). tests/test_sharded_equivalence.py holds both layouts to the same alerts.
 
 Areas are found by listing this package (modules starting with ``_`` are skipped), and the groups are
 ordered so that a group comes after every group whose recorded series it reads. Prometheus evaluates
@@ -131,7 +133,11 @@ class Area:
     def sharded_records(self, t: Tunables) -> list[dict[str, str]]:
         """The recording rules of the sharded layout: the shard records first (they read only scraped series),
         then the others as written (or in their sharded form), reading the shard records by name."""
-        return self.shard_records(t) + self.sharded_module_records(t)
+        return self.shard_records(t) + self.global_records(t) + self.sharded_module_records(t)
+
+    def global_records(self, t: Tunables) -> list[dict[str, str]]:
+        """The recording rules only the sharded layout's global server evaluates (for its sharded forms)."""
+        return list(getattr(self.module, "global_records", lambda _: [])(t))
 
     def sharded_module_records(self, t: Tunables) -> list[dict[str, str]]:
         """The area's own records as the sharded layout evaluates them: each in its sharded form where it has one."""

@@ -11,6 +11,7 @@ from rankscope.mixin.promql import (
     COMM_SUM_RATE,
     COMPUTE_BUSY,
     COMPUTE_MEDIAN,
+    COMPUTE_SLOWEST,
     DATA_WAIT_OVER,
     DATA_WAIT_SLOW_SHARE,
     DATA_WAIT_STEP_SHARE,
@@ -166,6 +167,14 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
     ]  # fmt: skip
 
 
+def global_records(t: Tunables) -> list[dict[str, str]]:
+    """The slowest rank of each run, read once by the straggler's sharded form (one server takes it inside the
+    straggler's expression, twice, to keep the alert two recording levels above the scraped data; a global server
+    evaluates its group in one pass, so a level costs it no evaluation, and every read of every rank's compute time
+    costs it 16,384 series at that size)."""
+    return [{"record": COMPUTE_SLOWEST, "expr": f"topk by ({RUN}) (1, {COMPUTE_BUSY})"}]
+
+
 def sharded_forms(t: Tunables) -> dict[str, str]:
     """The run's figures from its nodes' parts: the means one server takes in one read of every rank (or of every
     node's local rank 0) from the nodes' sums and counts, the step-time buckets from the nodes' bucket rates. The
@@ -179,6 +188,10 @@ def sharded_forms(t: Tunables) -> dict[str, str]:
         STEPS_RATE: mean(STEPS_NODE_RATE, STEPS_NODE_SOURCES),
         STEP_SUM_RATE: mean(STEP_SUM_NODE_RATE, STEP_SUM_NODE_SOURCES),
         STEP_BUCKET_RATE: f"sum by ({RUN}, le) ({STEP_BUCKET_NODE_RATE})",
+        # Two reads of every rank's compute time instead of four (the slowest rank, recorded, read twice).
+        STRAGGLER: f"{COMPUTE_SLOWEST}\n/ on ({RUN}) group_left ()\n(\n"
+        f"  quantile by ({RUN}) (0.5, {COMPUTE_BUSY} unless {COMPUTE_SLOWEST}) > 0\n"
+        f"  or\n  max by ({RUN}) ({COMPUTE_SLOWEST}) > 0\n)",
     }
 
 
