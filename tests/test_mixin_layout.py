@@ -40,7 +40,7 @@ def test_every_alert_lands_on_the_global_server_as_on_one_server(t: Tunables) ->
     single = {rule["alert"]: rule for area in rules.areas(t) for rule in area.rules(t) if "alert" in rule}
     inline = rules.shard_expressions(t)
     # The global server reads a transient shard record's fresh samples only (rankscope.mixin.layout.fresh).
-    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient}
+    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient + area.shard_evaluated}
     for alert in rules.alerts(t):
         written = alert.to_rule(t)
         assert on_global[alert.name] == {**written, "expr": rules.inlined(written["expr"], freshened)}
@@ -64,7 +64,7 @@ def test_every_recording_rule_lands_on_exactly_one_server_unchanged_in_the_same_
     # As written, but for two things: a shard reads its own view of a run-level record under the view's name, and
     # the global server reads a transient shard record's fresh samples only.
     views = {name: view_name(name) for area in rules.areas(t) for name in area.shard_views}
-    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient}
+    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient + area.shard_evaluated}
     on_shard = {record for groups in (layout.shard_groups,) for group in groups.values() for record in
                 (rule["record"] for rule in group["rules"])}  # fmt: skip
     expected = []
@@ -148,7 +148,8 @@ def test_a_shard_evaluates_only_what_its_own_ranks_decide(t: Tunables) -> None:
         read = selectors(rule["expr"])
         # Its own view of a run (over its ranks), and a record gated on that view, are a shard's by design: the
         # gate only decides when a rank's series is recorded, never its value.
-        assert is_shard_local(rule["expr"]) or rule["record"] in views or {s.name for s in read} & views, rule
+        declared = {name for area in rules.areas(t) for name in area.shard_evaluated}
+        assert is_shard_local(rule["expr"]) or rule["record"] in views | declared or {s.name for s in read} & views
         assert all(not s.recorded or s.name in layout.shard_records for s in read), rule
     # No view of a run leaves its shard.
     assert not {s.name for s in layout.federated} & views
@@ -198,8 +199,18 @@ def test_a_record_that_carries_its_own_value_forward_is_a_shards_when_it_reads_o
     layout = split(Tunables())
     # What a target served last is read from the target's own series: the shard that scrapes it keeps it.
     assert "run_rank:rankscope_run_info:last_seen_timestamp_seconds" in layout.shard_records
-    # Whether a rank finished is matched on (run_id, rank), which a shard cannot see whole: global.
-    assert "run_rank:rankscope_run_finished:finished_timestamp_seconds" not in layout.shard_records
+    # Whether a rank finished is matched on (run_id, rank), which a shard cannot see whole: a shard keeps it for
+    # its own ranks only because the liveness area says so (SHARD_EVALUATED; rankscope.mixin.layout says what a
+    # shard then misses), and the global server reads it fresh.
+    assert "run_rank:rankscope_run_finished:finished_timestamp_seconds" in layout.shard_records
+    assert not is_shard_local(
+        next(
+            r["expr"]
+            for g in layout.shard_groups.values()
+            for r in g["rules"]
+            if r["record"].endswith(":finished_timestamp_seconds")
+        )
+    )
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,11 @@ the sharded layouts cannot drift:
   figure, and each rank's value only while something is wrong with it (over an alert's line, down, vanished, a
   hang candidate). A healthy run then federates one series per node for those figures and none per rank, and the
   global server's rules read no rank's series but the compute times the straggler's median needs;
+- a record an area names in ``SHARD_EVALUATED`` goes to the shards although it matches ranks across nodes: the
+  carried memory of the ranks whose last word was "finished" (read by the rank-down alert, present only for
+  them). A shard forgets a rank's clean end when that rank serves again on one of its own nodes; a rank resumed
+  on a node of another shard is remembered as finished there until the rank-down lookback ends (one server
+  forgets it at once), so a rank-down alert for it within that lookback waits until then;
 - a shard record gated on its run (the hang candidates: recorded only while the run may be hung) reads its
   shard's view of the run: the run-level records an area names in ``SHARD_VIEWS``, which each shard also
   evaluates over its own ranks under another name (:func:`view_name`). A shard's view of the run's last step is
@@ -271,6 +276,7 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
     every = areas(t)
     views = {name: view_name(name) for area in every for name in area.shard_views}
     transient = {name for area in every for name in area.transient}
+    shard_evaluated = {name for area in every for name in area.shard_evaluated}
 
     def shard_can(rule: dict[str, Any], gated: bool = False) -> bool:
         read = selectors(rule["expr"])
@@ -278,8 +284,13 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
         own = {*on_shard, rule["record"]}
         if not all(not s.recorded or s.name in own for s in read):
             return False
-        # A shard record gated on its shard's view of its run joins the run's view by design.
-        return is_shard_local(rule["expr"]) or (gated and any(s.name in views.values() for s in read))
+        # A shard record gated on its shard's view of its run joins the run's view by design, and a record the
+        # areas have shards evaluate over their own ranks matches across nodes by design.
+        return (
+            is_shard_local(rule["expr"])
+            or rule["record"] in shard_evaluated
+            or (gated and any(s.name in views.values() for s in read))
+        )
 
     on_global: set[str] = set()
     for area in every:  # in dependency order: a record's inputs are placed before it
@@ -298,7 +309,7 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
             ({**r, "expr": _renamed_reads(r["expr"], views)}, True) for r in area.shard_records(t)
         ]
         pending += [(rule, None) for rule in area.global_records(t)]  # None: the global server's by declaration
-        pending += [(rule, False) for rule in records]
+        pending += [(rule, rule["record"] in shard_evaluated) for rule in records]
         while pending:
             placed = on_shard | on_global
             ready = next(
@@ -330,7 +341,7 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
     # The global server reads a transient shard record's fresh samples only: within two intervals (one for the
     # shard's evaluation, one for the federation's scrape) and one to spare.
     window = 3 * duration_seconds(t.evaluation_interval or interval)
-    freshened = {name: fresh(name, window) for name in transient}
+    freshened = {name: fresh(name, window) for name in transient | shard_evaluated}
     for group in global_groups.values():
         group["rules"] = [{**rule, "expr": inlined(rule["expr"], freshened)} for rule in group["rules"]]
     read_on_global = {s for group in global_groups.values() for rule in group["rules"] for s in selectors(rule["expr"])}

@@ -16,6 +16,8 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
   them (a gate: one server reads its run-level record there);
 - optionally ``TRANSIENT``: its shard records that are present only while their condition holds; the global
   server reads only their fresh samples;
+- optionally ``SHARD_EVALUATED``: its records that each shard evaluates over its own ranks although they match
+  ranks across nodes (rankscope.mixin.layout says what that changes);
 - optionally ``sharded_forms(t) -> dict[str, str]``: records the sharded layout builds another way (a run's mean
   from its nodes' sums and counts, where one server takes the mean in one read): record name -> expression;
   and ``global_records(t) -> list[dict]``: records only the sharded layout's global server records, for those
@@ -121,6 +123,11 @@ class Area:
     def shard_views(self) -> tuple[str, ...]:
         """Its run-level records each shard also evaluates over its own ranks (for its shard records' gates)."""
         return tuple(getattr(self.module, "SHARD_VIEWS", ()))
+
+    @property
+    def shard_evaluated(self) -> tuple[str, ...]:
+        """Its records each shard evaluates over its own ranks although they match ranks across nodes."""
+        return tuple(getattr(self.module, "SHARD_EVALUATED", ()))
 
     @property
     def transient(self) -> tuple[str, ...]:

@@ -29,6 +29,9 @@ _STEP_BOUNDARY, _CHECKPOINT = PHASES.index("step_boundary"), PHASES.index("check
 
 #: Present only while their condition holds (rankscope.mixin.rules: the global server reads their fresh samples).
 TRANSIENT = (RUN_FINISHED_NODE_RECENT, RANK_DOWN, RANK_VANISHED_RECENT)
+#: The ranks that finished cleanly, remembered by each shard for its own ranks (rankscope.mixin.layout): the global
+#: server would otherwise read every rank's run_finished twice per evaluation for a handful of ranks.
+SHARD_EVALUATED = (RANK_FINISHED_AT,)
 
 
 def shard_records(t: Tunables) -> list[dict[str, str]]:
