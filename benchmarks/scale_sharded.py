@@ -9,13 +9,15 @@ own, as benchmarks.scale measures one server (the same captured page, simulator 
 - ``shard``: one shard Prometheus with the generated shard rules, scraping its share (ranks / shards simulated
   ranks of one run). Head series, memory, CPU, its rule groups' evaluation time, and what the global server's
   federation scrape costs it: one ``GET /federate`` with the generated match list (time, size, series).
-- ``global``: the global Prometheus with the generated global rules over every rank. It stores what the
-  federation would bring it, and nothing else: it scrapes the simulated ranks itself with a
-  ``metric_relabel_configs`` filter keeping exactly the federated selectors (one bucket, local rank 0), plus
-  the inputs of the shard rules, which it evaluates too so the per-rank reductions exist; their inputs and
-  their group are left out of the figures. The simulator serves only the metrics kept (the shards parse
-  the whole pages, not the global server). Series per rank (federated series / ranks), head series, memory,
-  CPU, and the global rule groups' evaluation time (summed medians: the goal is under 1 s per evaluation).
+- ``global``: the global Prometheus with the generated global rules over every rank, federating the generated
+  match list from a feeder that stands for the shards: one Prometheus scraping every simulated rank (kept to
+  the series the shard rules and the federation read: a ``metric_relabel_configs`` filter) and evaluating the
+  shard rules. Once the global server has federated for WARM_UP_SECONDS (its rules' windows filled), the
+  feeder and the simulator are stopped (SIGSTOP) for the measurement, so that the global server's rule time is
+  its own, not the shards' work on the same two cores; what it federated stays readable for its lookback delta
+  (federated samples carry their timestamps: nothing is marked stale). Series per rank (federated series /
+  ranks), head series, memory, CPU, and the global rule groups' evaluation time (summed medians: the goal is
+  under 1 s per evaluation).
 
 The simulated page is one real rank's page (benchmarks.scale.capture_page); rank 0's job-wide series are
 served once (benchmarks.fakeranks). `up` is per page of simulated ranks, not per rank.
@@ -24,6 +26,7 @@ served once (benchmarks.fakeranks). `up` is per page of simulated ranks, not per
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
@@ -34,16 +37,28 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rankscope.mixin import cli
 from rankscope.mixin.config import Tunables
-from rankscope.mixin.layout import Selector, selectors, split
+from rankscope.mixin.layout import Selector, federation_job, selectors, split
+from rankscope.mixin.promql import COMPUTE_BUSY
 
 from devstack.monitoring import MonitoringStack
 from devstack.ports import local_ports
 from devstack.processes import Children
 
 from .fakeranks import pages_needed
-from .scale import Setup, _hold, _instant, _start_fakeranks, _value, _wait_value, capture_page
+from .scale import (
+    Setup,
+    _cpu_seconds,
+    _hold,
+    _instant,
+    _rule_times,
+    _start_fakeranks,
+    _value,
+    _wait_value,
+    capture_page,
+)
 from .timing import machine_line
 
 __all__ = ["keep_only", "main", "measure_global", "measure_shard", "page_for"]
@@ -175,7 +190,7 @@ def measure_shard(setup: Setup, ranks: int, shards: int, per_page: int, workdir:
 
 
 def measure_global(setup: Setup, ranks: int, shards: int, per_page: int, workdir: Path, duration: float) -> dict:
-    """The global server over every rank, holding what the federation brings it (see the module's doc)."""
+    """The global server over every rank, federating from a feeder that stands for the shards (see the module's doc)."""
     layout_dir = generated_layout(workdir / "generated", shards)
     layout = split(Tunables())
     federated = list(layout.federated)
@@ -190,37 +205,84 @@ def measure_global(setup: Setup, ranks: int, shards: int, per_page: int, workdir
     )
     raw = [s for s in federated if not s.recorded and s.name != "up"]
     keep = keep_only(sorted(set(raw) | set(shard_inputs)))
-    rule_files = [*sorted((layout_dir / "global" / "rules").glob("*.yml")),
-                  *sorted((layout_dir / "shard" / "rules").glob("*.yml"))]  # fmt: skip
     # The simulator serves only those metrics (every one of their series; the relabeling keeps the matched):
     # parsing the whole page of every rank is the shards' load, not the global server's.
     workdir.mkdir(parents=True, exist_ok=True)
     served = workdir / "page-federated.txt"
     served.write_bytes(page_for(setup.page.read_bytes(), sorted(set(raw) | set(shard_inputs))))
     setup = Setup(setup.name, served, setup.age, setup.rules)
-    children, stack, fake, url = _server(setup, ranks, per_page, workdir / "global", rule_files, keep)
+    feeder_rules = sorted((layout_dir / "shard" / "rules").glob("*.yml"))
+    children, feeder, fake, feeder_url = _server(setup, ranks, per_page, workdir / "feeder", feeder_rules, keep)
+    ports = local_ports(1)
+    server = MonitoringStack(workdir / "global", ports, 1, alertmanager=False,
+                             rule_files=sorted((layout_dir / "global" / "rules").glob("*.yml")))  # fmt: skip
+    own = [job for job in server.config["scrape_configs"] if not job.get("honor_labels")]  # Prometheus's own metrics
+    server.config["scrape_configs"] = [*own, federation_job(layout, [feeder_url.removeprefix("http://")], "5s")]
     try:
-        rule_times, window, _ = _hold_and_read(fake, url, duration)
-        groups = _group_figures(url, window, "/global/rules/")
-        shard_rules = {rule["record"] for group in layout.shard_groups.values() for rule in group["rules"]}
-        crossed = _count(url, [s for s in federated if s.name != "up"])
-        if any(s.name == "up" for s in federated):
-            crossed += _value(url, 'count(up{job="rankscope"})') or 0
-        only_for_shard_rules = _count(url, [s for s in shard_inputs if not any(f.covers(s) for f in federated)])
-        head = _value(url, "prometheus_tsdb_head_series") or 0.0
-        return {
-            "server": "global", "ranks": ranks,
-            "federated_per_rank": crossed / ranks,
-            "head_series": head - only_for_shard_rules,
-            "rss_bytes": _value(url, 'process_resident_memory_bytes{job="prometheus"}'),
-            "cpu_cores": _value(url, f'rate(process_cpu_seconds_total{{job="prometheus"}}[{window}])'),
-            "rule_median": groups["median"], "rule_max": groups["max"],
-            "missed": _value(url, "sum(prometheus_rule_group_iterations_missed_total)") or 0.0,
-            "rule_times": {name: t for name, t in rule_times.items() if name not in shard_rules},
-        }  # fmt: skip
+        server.start()
+        url = server.prometheus_url
+        # Every rank's compute time federated, then the windows the global rules read over filled.
+        _wait_value(url, f"count({COMPUTE_BUSY})", ranks, 600, "every rank's compute time federated", fake)
+        time.sleep(WARM_UP_SECONDS)
+        frozen = _freeze([fake.pid, *(child.pid for child in feeder.servers)])
+        try:
+            started = time.monotonic()
+            cpu_before = _cpu_seconds(server.servers[0].pid)
+            rule_times = _rule_times_over(url, duration)
+            elapsed = time.monotonic() - started
+            cpu = (_cpu_seconds(server.servers[0].pid) - cpu_before) / elapsed
+            window = f"{int(elapsed)}s"
+            groups = _group_figures(url, window, "/global/rules/")
+            return {
+                "server": "global", "ranks": ranks,
+                "federated_per_rank": _count(url, federated) / ranks,
+                "head_series": _value(url, "prometheus_tsdb_head_series"),
+                "rss_bytes": psutil.Process(server.servers[0].pid).memory_info().rss,
+                "cpu_cores": cpu,
+                "rule_median": groups["median"], "rule_max": groups["max"],
+                "missed": _value(url, "sum(prometheus_rule_group_iterations_missed_total)") or 0.0,
+                "rule_times": rule_times,
+            }  # fmt: skip
+        finally:
+            _thaw(frozen)
     finally:
-        stack.close()
+        server.close()
+        feeder.close()
         children.stop_all({})
+
+
+#: Seconds the global server federates before the measurement: its rules' 2-minute windows fill.
+WARM_UP_SECONDS = 150.0
+
+
+def _freeze(pids: list[int]) -> list[psutil.Process]:
+    """SIGSTOP these processes and their children: the global server then has the machine to itself. The series
+    it federated stay readable for its lookback delta (5 minutes): federated samples carry their timestamps, so
+    the failed federation scrapes mark nothing stale."""
+    frozen = []
+    for pid in pids:
+        process = psutil.Process(pid)
+        for member in [process, *process.children(recursive=True)]:
+            member.suspend()
+            frozen.append(member)
+    return frozen
+
+
+def _thaw(frozen: list[psutil.Process]) -> None:
+    for process in frozen:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.resume()
+
+
+def _rule_times_over(url: str, seconds: float) -> dict[str, float]:
+    """Each rule's mean evaluation time over `seconds`, from the rules API read every 5 s."""
+    deadline = time.monotonic() + seconds
+    seen: dict[str, list[float]] = {}
+    while time.monotonic() < deadline:
+        for rule, took in _rule_times(url).items():
+            seen.setdefault(rule, []).append(took)
+        time.sleep(5.0)
+    return {rule: sum(times) / len(times) for rule, times in seen.items()}
 
 
 def report(results: list[dict[str, Any]], shards: int, top: int = 5) -> None:

@@ -187,9 +187,11 @@ PHASE_RANKS = f"run:{metric_name('phase')}:ranks_by_phase"
 #: The most and the fewest collectives a rank of the run has started (summed over mesh dimensions).
 COLLECTIVES_MAX = f"run:{metric_name('collectives_total')}:max"
 COLLECTIVES_MIN = f"run:{metric_name('collectives_total')}:min"
-#: Each node's part of those (present while the node has a rank in that phase; its excused ranks' flag while it
-#: has one): the sharded layout's shards record them, the global server builds the run's from them.
-PHASE_NODE_RANKS = f"run_node:{metric_name('phase')}:ranks_by_phase"
+#: Each node's part of those: its ranks, those in a collective, its collective extremes, and 1 while one of its
+#: ranks excuses the run from the hang alert (else 0). The sharded layout's shards record them, present while
+#: the node's ranks serve, and its global server builds the run's from them.
+PHASE_NODE_RANKS = f"run_node:{metric_name('phase')}:ranks"
+PHASE_NODE_IN_COLLECTIVE = f"run_node:{metric_name('phase')}:ranks_in_collective"
 COLLECTIVES_NODE_MAX = f"run_node:{metric_name('collectives_total')}:max"
 COLLECTIVES_NODE_MIN = f"run_node:{metric_name('collectives_total')}:min"
 HANG_NODE_EXCUSED = f"run_node:{metric_name('phase')}:hang_excused"

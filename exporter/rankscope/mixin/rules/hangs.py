@@ -45,6 +45,7 @@ from rankscope.mixin.promql import (
     LAST_STEP_AGE,
     NODE,
     ONE_PER_NODE,
+    PHASE_NODE_IN_COLLECTIVE,
     PHASE_NODE_RANKS,
     PHASE_RANKS,
     RANK,
@@ -94,9 +95,11 @@ def _phase_excuses(t: Tunables, started: str) -> list[str]:
 #: rankscope.mixin.layout): the hang candidates' gate. A shard's view of its run's last step is at least as old as
 #: the run's (its nodes are some of the run's), and its step time the run's (every rank completes every step).
 SHARD_VIEWS = (HANG_STEP_SECONDS, LAST_STEP_AGE)
-#: Shard records present only while their condition holds: the global server reads only their fresh samples (a
-#: federated series that vanished keeps its last sample there for the lookback delta).
-TRANSIENT = (PHASE_NODE_RANKS, HANG_NODE_EXCUSED, HANG_CANDIDATE_PHASE, HANG_CANDIDATE_COLLECTIVES)
+#: Shard records present only while their condition holds, or that must not outlive their node (an excuse): the
+#: global server reads only their fresh samples (a federated series that vanished keeps its last sample there for
+#: the lookback delta). What decides when the alert fires is present for as long as the node serves (a phase
+#: count, the excuse's 0 or 1), so that its end reaches the global server within the federation's interval.
+TRANSIENT = (HANG_CANDIDATE_PHASE, HANG_CANDIDATE_COLLECTIVES, HANG_NODE_EXCUSED)
 #: The candidates are recorded from half the hang threshold on: before the run-level alert condition can hold,
 #: so that they have reached the global server by then.
 _CANDIDATE_SHARE = 0.5
@@ -124,10 +127,15 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         # Each node's part of HANG_STEP_SECONDS (its local ranks 0's rates), for its sharded layout's form.
         {"record": HANG_STEP_SUM_NODE_RATE, "expr": rate_by(NODE, f"{step}_sum", t.hang_step_window, ONE_PER_NODE)},
         {"record": HANG_STEP_COUNT_NODE_RATE, "expr": rate_by(NODE, f"{step}_count", t.hang_step_window, ONE_PER_NODE)},
-        {"record": PHASE_NODE_RANKS, "expr": f'count_values by ({NODE}) ("phase", {phase})'},
+        {"record": PHASE_NODE_RANKS, "expr": f"count by ({NODE}) ({phase})"},
+        {"record": PHASE_NODE_IN_COLLECTIVE, "expr": f"sum by ({NODE}) ({phase} == bool {_COLLECTIVE})"},
         {"record": COLLECTIVES_NODE_MAX, "expr": f"max by ({NODE}) ({_counts()})"},
         {"record": COLLECTIVES_NODE_MIN, "expr": f"min by ({NODE}) ({_counts()})"},
-        {"record": HANG_NODE_EXCUSED, "expr": f"max by ({NODE}) (\n  " + "\n  or\n  ".join(excuses) + "\n) * 0 + 1"},
+        {
+            "record": HANG_NODE_EXCUSED,
+            "expr": f"max by ({NODE}) (\n  " + "\n  or\n  ".join(excuses) + f"\n) * 0 + 1\n"
+            f"or\nmax by ({NODE}) ({phase}) * 0",
+        },
         {"record": HANG_CANDIDATE_PHASE, "expr": f"{phase} and on ({RUN}) {may_be_hung}"},
         {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {may_be_hung}"},
     ]
@@ -135,9 +143,14 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
 
 def sharded_forms(t: Tunables) -> dict[str, str]:
     """The run's step time from its nodes' rates: the global server reads no rank's series over a window."""
+    in_collective = f"sum by ({RUN}) ({PHASE_NODE_IN_COLLECTIVE})"
     return {
         HANG_STEP_SECONDS: f"sum by ({RUN}) ({HANG_STEP_SUM_NODE_RATE})\n/\n"
-        f"(sum by ({RUN}) ({HANG_STEP_COUNT_NODE_RATE}) > 0)"
+        f"(sum by ({RUN}) ({HANG_STEP_COUNT_NODE_RATE}) > 0)",
+        # The ranks in a collective and the others: all the suspects read of the phase counts.
+        PHASE_RANKS: f'label_replace({in_collective} > 0, "phase", "{_COLLECTIVE}", "", "")\nor\n'
+        f'label_replace(sum by ({RUN}) ({PHASE_NODE_RANKS}) - {in_collective} > 0, "phase", "other", "", "")',
+        HANG_EXCUSED_AT: f"max by ({RUN}) ({HANG_NODE_EXCUSED} == 1) * 0 + time()",
     }
 
 
@@ -146,6 +159,9 @@ def records(t: Tunables) -> list[dict[str, str]]:
     evaluation (each read of a per-rank series costs about its number of ranks in series lookups): the run-level
     facts the suspects need are recorded first, and the suspects themselves only for a run past its threshold."""
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
+    # A pause is applied on every rank at one step: one rank per node stands for all.
+    started = metric_name("phase_started_timestamp_seconds")
+    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).
     maybe_hung = f"({LAST_STEP_AGE} > {num(t.hang_floor_seconds)})"
@@ -185,7 +201,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
             # dates it; a run is not hung the moment a long checkpoint ends, only once nothing followed it for
             # the threshold.
             "record": HANG_EXCUSED_AT,
-            "expr": f"max by ({RUN}) ({HANG_NODE_EXCUSED}) * 0 + time()",
+            "expr": f"max by ({RUN}) (\n  " + "\n  or\n  ".join(excuses) + "\n) * 0 + time()",
         },
         {
             # From the last activity; absent until the run's ranks completed a step (start-up, the first step).
@@ -198,7 +214,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"{LAST_STEP_AGE}",
         },
         # What the suspects compare each rank with, from each node's part.
-        {"record": PHASE_RANKS, "expr": f"sum by ({RUN}, phase) ({PHASE_NODE_RANKS})"},
+        {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {metric_name("phase")})'},
         {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({COLLECTIVES_NODE_MAX})"},
         {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({COLLECTIVES_NODE_MIN})"},
         {
