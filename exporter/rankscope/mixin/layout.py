@@ -59,9 +59,9 @@ __all__ = [
     "Selector",
     "ShardedLayout",
     "federation_job",
+    "fresh",
     "is_shard_local",
     "render",
-    "fresh",
     "selectors",
     "split",
     "view_name",
@@ -304,7 +304,8 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
                 shard_rules.append({"record": views[rule["record"]], "expr": _renamed_reads(rule["expr"], views)})
                 on_shard.add(views[rule["record"]])
         # The shard records, then the others, each once what it reads is placed (a shard record may read a record
-        # of its own area, and that one a shard record).
+        # of its own area, and that one a shard record). Where each goes: True, the shards' (declared so); None,
+        # the global server's (declared so); False, wherever what it reads allows.
         pending: list[tuple[dict[str, Any], bool | None]] = [
             ({**r, "expr": _renamed_reads(r["expr"], views)}, True) for r in area.shard_records(t)
         ]

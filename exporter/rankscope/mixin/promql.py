@@ -101,11 +101,6 @@ def _counter(short: str) -> str:
 # --- recorded series (level:metric:operation), by the area that records them -------------------------------
 # performance
 COMPUTE_BUSY = f"run_rank:{metric_name('compute_duration_seconds', 'sum')}:rate"
-#: Per rank (each scraped series): mean step seconds over the rate window, the share of batches whose data wait was
-#: above the p90 line, and data-wait seconds per step second. NaN where the rank did not step (present_ratio).
-STEP_MEAN = f"run_rank:{metric_name('step_duration_seconds')}:mean"
-DATA_WAIT_SLOW_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:slow_share"
-DATA_WAIT_STEP_SHARE = f"run_rank:{metric_name('data_wait_seconds')}:step_share"
 #: Ranks over the data-loader alert's lines (label `signal`), and ranks (one per node) whose mean step time is over
 #: the slow-step line: present only then, valued the share or the mean.
 DATA_WAIT_OVER = f"run_rank:{metric_name('data_wait_seconds')}:over_line"

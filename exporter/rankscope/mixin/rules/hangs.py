@@ -134,7 +134,8 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         {
             "record": HANG_NODE_EXCUSED,
             "expr": f"max by ({NODE}) (\n  " + "\n  or\n  ".join(excuses) + f"\n) * 0 + 1\n"
-            f"or\nmax by ({NODE}) ({phase}) * 0",
+            # 0 while the node's local rank 0 serves and nothing excuses: one rank per node, not every rank's phase.
+            f"or\nmax by ({NODE}) ({metric_name('paused')}{ONE_PER_NODE}) * 0",
         },
         {"record": HANG_CANDIDATE_PHASE, "expr": f"{phase} and on ({RUN}) {may_be_hung}"},
         {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {may_be_hung}"},

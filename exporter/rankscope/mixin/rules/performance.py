@@ -13,8 +13,6 @@ from rankscope.mixin.promql import (
     COMPUTE_MEDIAN,
     COMPUTE_SLOWEST,
     DATA_WAIT_OVER,
-    DATA_WAIT_SLOW_SHARE,
-    DATA_WAIT_STEP_SHARE,
     IMBALANCE,
     NODE,
     ONE_PER_NODE,
@@ -25,7 +23,6 @@ from rankscope.mixin.promql import (
     SAMPLES_RATE,
     STEP_BUCKET_NODE_RATE,
     STEP_BUCKET_RATE,
-    STEP_MEAN,
     STEP_MEAN_OVER,
     STEP_QUANTILES,
     STEP_SUM_NODE_RATE,
@@ -99,44 +96,43 @@ def records(t: Tunables) -> list[dict[str, str]]:
 TRANSIENT = (DATA_WAIT_OVER, STEP_MEAN_OVER)
 
 
-def shard_records(t: Tunables) -> list[dict[str, str]]:
-    """What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in
-    one expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages).
-
-    Recorded on the sharded layout's shards only, where the global server federates one ratio per rank instead
-    of the five rates' series; one server computes them inside the two alerts (rankscope.mixin.rules). NaN, not
-    absent, where the rank did not step: the lines stay in the alerts. A histogram's sum and any bucket move
-    only with its count, so a plain ratio of them is NaN (0/0) there, never +Inf: no second pass over every
-    rank (present_ratio) is needed for these two.
-    """
+def _rank_ratios(t: Tunables) -> tuple[str, str, str]:
+    """What the data-loader and slow-step alerts compare with their lines, per rank: each rank's own rates in one
+    expression (a ratio of rates taken at different times is noise, and at a 10 % line noise pages). The mean step
+    time of local rank 0 of each node, the share of batches over the p90 line, and the share of step time spent
+    waiting for data. NaN, not absent, where the rank did not step: a comparison with NaN is false. A histogram's
+    sum and any bucket move only with its count, so a plain ratio of them is NaN (0/0) there, never +Inf."""
     w = t.rate_window
     step = metric_name("step_duration_seconds")
     data = metric_name("data_wait_seconds")
     slow = f'{{le="{le(t.data_wait_p90_seconds)}"}}'
+    # Every rank's step takes the same wall time under DDP (the all-reduce waits for the slowest): one rank per
+    # node stands for all, as in the run's step-time histogram.
+    mean = f"rate({step}_sum{ONE_PER_NODE}[{w}])\n/\nrate({step}_count{ONE_PER_NODE}[{w}])"
+    # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds). `ignoring
+    # (le)` drops the bucket's `le` in the one match, where `sum without (le)` grouped every rank first.
+    slow_share = f"1 - rate({data}_bucket{slow}[{w}])\n/ ignoring (le)\nrate({data}_count[{w}])"
+    # The step time of local rank 0 of the rank's node (the highest where a node has several local ranks 0: one
+    # process per container). Data wait can grow while no step ends (x/0: +Inf): `% +Inf` keeps a finite share and
+    # makes +Inf NaN (Go's math.Mod), in the same single pass over the ranks.
+    step_share = (
+        f"(\n  rate({data}_sum[{w}])\n  / on ({NODE}) group_left ()\n"
+        f"  max by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))\n)\n% +Inf"
+    )
+    return mean, slow_share, step_share
+
+
+def shard_records(t: Tunables) -> list[dict[str, str]]:
+    """Recorded on the sharded layout's shards only: each node's parts of the run's step-time and comm figures,
+    and the ranks over the data-loader and slow-step lines (present only then), which the global server federates
+    instead of every rank's series. One server computes them inside the rules that read them
+    (rankscope.mixin.rules). The per-rank ratios themselves are computed inside the over-line records, not
+    recorded: writing three values for every rank each evaluation costs more than the comparisons."""
+    w = t.rate_window
+    step = metric_name("step_duration_seconds")
+    mean, slow_share, step_share = _rank_ratios(t)
+    indent = "\n    "
     return [
-        # Every rank's step takes the same wall time under DDP (the all-reduce waits for the slowest): one rank per
-        # node stands for all, as in the run's step-time histogram.
-        {
-            "record": STEP_MEAN,
-            "expr": f"rate({step}_sum{ONE_PER_NODE}[{w}])\n/\nrate({step}_count{ONE_PER_NODE}[{w}])",
-        },
-        {
-            # More than 10 % of a rank's batches above the boundary is a p90 above it (data_wait_p90_seconds).
-            "record": DATA_WAIT_SLOW_SHARE,
-            # `ignoring (le)` drops the bucket's `le` in the one match, where `sum without (le)` grouped every rank
-            # first (a second pass over the ranks).
-            "expr": f"1 - rate({data}_bucket{slow}[{w}])\n/ ignoring (le)\nrate({data}_count[{w}])",
-        },
-        # Data wait can grow while no step ends (x/0: +Inf). `% +Inf` keeps a finite share and makes +Inf NaN
-        # (Go's math.Mod), in the same single pass over the ranks: present_ratio's second pass cost as much as the
-        # whole ratio at 4096 ranks (benchmarks.scale).
-        {
-            # The step time of local rank 0 of the rank's node: every rank's step is as long under DDP (the highest
-            # where a node has several local ranks 0: one process per container).
-            "record": DATA_WAIT_STEP_SHARE,
-            "expr": f"(\n  rate({data}_sum[{w}])\n  / on ({NODE}) group_left ()\n"
-            f"  max by ({NODE}) (rate({step}_sum{ONE_PER_NODE}[{w}]))\n)\n% +Inf",
-        },
         # Each node's part of the run's step-time figures (its local ranks 0), for their sharded layout's forms.
         {"record": STEP_BUCKET_NODE_RATE, "expr": rate_by(f"{NODE}, le", f"{step}_bucket", w, ONE_PER_NODE)},
         {"record": STEPS_NODE_RATE, "expr": rate_by(NODE, metric_name("steps_total"), w, ONE_PER_NODE)},
@@ -157,13 +153,18 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         {
             "record": DATA_WAIT_OVER,
             "expr": f"max by ({RANK}, signal) (\n"
-            f'  label_replace({DATA_WAIT_SLOW_SHARE} > 0.1, "signal", "p90_wait", "", "")\n'
+            f"  label_replace((\n    {slow_share.replace(chr(10), indent)}\n  ) > 0.1, "
+            f'"signal", "p90_wait", "", "")\n'
             f"  or\n"
-            f'  label_replace({DATA_WAIT_STEP_SHARE} > {num(t.data_wait_share)}, "signal", "wait_share", "", "")\n'
+            f"  label_replace((\n    {step_share.replace(chr(10), indent)}\n  ) > {num(t.data_wait_share)}, "
+            f'"signal", "wait_share", "", "")\n'
             f")",
         },
         # A run that stopped stepping has no mean (NaN: its count's rate is 0): a stall, not slow steps.
-        {"record": STEP_MEAN_OVER, "expr": f"max by ({RANK}) ({STEP_MEAN})\n> {num(t.slow_step_seconds)}"},
+        {
+            "record": STEP_MEAN_OVER,
+            "expr": f"max by ({RANK}) (\n  {mean.replace(chr(10), chr(10) + '  ')}\n)\n> {num(t.slow_step_seconds)}",
+        },
     ]  # fmt: skip
 
 
