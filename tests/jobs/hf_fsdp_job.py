@@ -51,6 +51,10 @@ def main() -> None:
                 sample.value
             )
     (args.out / f"rank{trainer.args.process_index}.json").write_text(json.dumps(found))
+    # The Trainer leaves its gloo group to interpreter exit, where tearing down its threads can abort the process
+    # ("terminate called without an active exception", seen once in a full test run): end it here, as a script does.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
