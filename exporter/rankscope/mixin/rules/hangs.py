@@ -91,6 +91,13 @@ def _phase_excuses(t: Tunables, started: str) -> list[str]:
     ]
 
 
+def _excuses(t: Tunables) -> list[str]:
+    """Ranks whose phase excuses their run from the hang alert, and the paused runs' local ranks 0 (a pause is
+    applied on every rank at one step: one rank per node stands for all)."""
+    started = metric_name("phase_started_timestamp_seconds")
+    return [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
+
+
 #: Run-level records each shard of the sharded layout also evaluates over its own ranks (renamed there,
 #: rankscope.mixin.layout): the hang candidates' gate. A shard's view of its run's last step is at least as old as
 #: the run's (its nodes are some of the run's), and its step time the run's (every rank completes every step).
@@ -111,9 +118,7 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
     the global server reads one series per node (and per rank only for a run that may be hung), not four per rank
     at every evaluation."""
     phase = metric_name("phase")
-    started = metric_name("phase_started_timestamp_seconds")
-    # A pause is applied on every rank at one step: one rank per node stands for all.
-    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
+    excuses = _excuses(t)
     # Half the threshold (HANG_THRESHOLD's expression, halved), read from the same level-1 series as the threshold so
     # that the suspects stay two recording levels above the scraped data.
     floor = t.hang_floor_seconds * _CANDIDATE_SHARE
@@ -160,9 +165,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
     evaluation (each read of a per-rank series costs about its number of ranks in series lookups): the run-level
     facts the suspects need are recorded first, and the suspects themselves only for a run past its threshold."""
     in_collective = f'{PHASE_RANKS}{{phase="{_COLLECTIVE}"}}'
-    # A pause is applied on every rank at one step: one rank per node stands for all.
-    started = metric_name("phase_started_timestamp_seconds")
-    excuses = [*_phase_excuses(t, started), f"({metric_name('paused')}{ONE_PER_NODE} > 0)"]
+    excuses = _excuses(t)
     # A run that may be hung: it completed a step, but none for longer than the floor (below which the alert
     # cannot fire).
     maybe_hung = f"({LAST_STEP_AGE} > {num(t.hang_floor_seconds)})"
@@ -214,7 +217,7 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"or on ({RUN})\n"
             f"{LAST_STEP_AGE}",
         },
-        # What the suspects compare each rank with, from each node's part.
+        # What the suspects compare each rank with: one read of the phase, and the counts from each node's part.
         {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {metric_name("phase")})'},
         {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({COLLECTIVES_NODE_MAX})"},
         {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({COLLECTIVES_NODE_MIN})"},
