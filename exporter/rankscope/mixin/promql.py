@@ -179,15 +179,19 @@ HANG_SUSPECTS = f"run_rank:{metric_name('phase')}:hang_suspect"
 LAST_STEP_AGE = f"run:{metric_name('last_step_timestamp_seconds')}:age_seconds"
 #: How many ranks of a run are in each phase (label `phase`: the index as text).
 PHASE_RANKS = f"run:{metric_name('phase')}:ranks_by_phase"
-#: Each node's part of those: its ranks, those in a collective, and 1 while one of its ranks excuses the run from
-#: the hang alert (else 0). The sharded layout's shards record them, present while the node's ranks serve, and its
-#: global server builds the run's from them.
+#: The most and the fewest collectives a rank of the run has started (summed over mesh dimensions).
+COLLECTIVES_MAX = f"run:{metric_name('collectives_total')}:max"
+COLLECTIVES_MIN = f"run:{metric_name('collectives_total')}:min"
+#: Each node's part of those: its ranks, those in a collective, its collective extremes, and 1 while one of its
+#: ranks excuses the run from the hang alert (else 0). The sharded layout's shards record them, present while
+#: the node's ranks serve, and its global server builds the run's from them.
 PHASE_NODE_RANKS = f"run_node:{metric_name('phase')}:ranks"
 PHASE_NODE_IN_COLLECTIVE = f"run_node:{metric_name('phase')}:ranks_in_collective"
+COLLECTIVES_NODE_MAX = f"run_node:{metric_name('collectives_total')}:max"
+COLLECTIVES_NODE_MIN = f"run_node:{metric_name('collectives_total')}:min"
 HANG_NODE_EXCUSED = f"run_node:{metric_name('phase')}:hang_excused"
-#: Each rank's phase and collective count (summed over mesh dimensions) while its run may be hung (no step for half
-#: its hang threshold): what the hang suspects compare, recorded only then (by one server, or by the sharded
-#: layout's shards), so a healthy run records and federates none of them.
+#: Each rank's phase and collective count while its run may be hung (no step for half its hang threshold): what
+#: the hang suspects compare, recorded by the shards only then, so a healthy run federates none of them.
 HANG_CANDIDATE_PHASE = f"run_rank:{metric_name('phase')}:hang_candidate"
 HANG_CANDIDATE_COLLECTIVES = f"run_rank:{metric_name('collectives_total')}:hang_candidate"
 # reliability

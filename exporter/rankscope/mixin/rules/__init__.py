@@ -11,10 +11,6 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
   several per rank). One server computes each inside the rules that read it instead: recording a value for
   every rank writes thousands of samples per evaluation, which at 4096 ranks costs more than the alerts that
   read it (benchmarks.scale). Both layouts evaluate the same expression, so the alerts are the same;
-- optionally ``one_server_records(t) -> list[dict]``: shard records one server records too (first in its group),
-  under the same names, rather than computing them inside the rules that read them: values present only while
-  their condition holds, which cost few samples to record and save reading every rank again in each rule that
-  reads them. They read only scraped series (their own form of any gate), so that no recording level is added;
 - optionally ``SHARD_VIEWS``: names of its run-level records that each shard also evaluates over its own ranks,
   under another name (rankscope.mixin.layout), for shard records that record only while their run may need
   them (a gate: one server reads its run-level record there);
@@ -115,15 +111,9 @@ class Area:
         return f"{self.name}.yml"
 
     def records(self, t: Tunables) -> list[dict[str, str]]:
-        """The recording rules one server evaluates: the shard records it records, then the area's own (each reads
-        the other shard records inline)."""
-        inline = _one_server_inline(t)
-        own = self.one_server_records(t) + list(self.module.records(t))
-        return [{**rule, "expr": inlined(rule["expr"], inline)} for rule in own]
-
-    def one_server_records(self, t: Tunables) -> list[dict[str, str]]:
-        """The shard records one server records too (in its own form: scraped series only)."""
-        return list(getattr(self.module, "one_server_records", lambda _: [])(t))
+        """The recording rules one server evaluates (each reads its shard records inline)."""
+        inline = shard_expressions(t)
+        return [{**rule, "expr": inlined(rule["expr"], inline)} for rule in self.module.records(t)]
 
     def shard_records(self, t: Tunables) -> list[dict[str, str]]:
         """The recording rules only the sharded layout's shards evaluate (read only scraped series)."""
@@ -163,7 +153,7 @@ class Area:
 
     def rules(self, t: Tunables) -> list[dict[str, Any]]:
         """The group's rules on one server."""
-        inline = _one_server_inline(t)
+        inline = shard_expressions(t)
         return self.records(t) + [_inlined_alert(alert, inline).to_rule(t) for alert in self.alerts(t)]
 
 
@@ -174,12 +164,6 @@ def shard_expressions(t: Tunables) -> dict[str, str]:
         for rule in area.shard_records(t):
             found[rule["record"]] = inlined(rule["expr"], found)
     return found
-
-
-def _one_server_inline(t: Tunables) -> dict[str, str]:
-    """The shard records one server computes inside the rules that read them: all but those it records."""
-    recorded = {rule["record"] for area in _modules() for rule in area.one_server_records(t)}
-    return {name: expr for name, expr in shard_expressions(t).items() if name not in recorded}
 
 
 def inlined(expr: str, inline: dict[str, str]) -> str:

@@ -28,6 +28,10 @@ from __future__ import annotations
 from rankscope.contract import PHASES
 from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
+    COLLECTIVES_MAX,
+    COLLECTIVES_MIN,
+    COLLECTIVES_NODE_MAX,
+    COLLECTIVES_NODE_MIN,
     HANG_CANDIDATE_COLLECTIVES,
     HANG_CANDIDATE_PHASE,
     HANG_EXCUSED_AT,
@@ -130,44 +134,17 @@ def shard_records(t: Tunables) -> list[dict[str, str]]:
         {"record": HANG_STEP_COUNT_NODE_RATE, "expr": rate_by(NODE, f"{step}_count", t.hang_step_window, ONE_PER_NODE)},
         {"record": PHASE_NODE_RANKS, "expr": f"count by ({NODE}) ({phase})"},
         {"record": PHASE_NODE_IN_COLLECTIVE, "expr": f"sum by ({NODE}) ({phase} == bool {_COLLECTIVE})"},
+        {"record": COLLECTIVES_NODE_MAX, "expr": f"max by ({NODE}) ({_counts()})"},
+        {"record": COLLECTIVES_NODE_MIN, "expr": f"min by ({NODE}) ({_counts()})"},
         {
             "record": HANG_NODE_EXCUSED,
             "expr": f"max by ({NODE}) (\n  " + "\n  or\n  ".join(excuses) + f"\n) * 0 + 1\n"
             # 0 while the node's local rank 0 serves and nothing excuses: one rank per node, not every rank's phase.
             f"or\nmax by ({NODE}) ({metric_name('paused')}{ONE_PER_NODE}) * 0",
         },
-        *_candidates(may_be_hung),
+        {"record": HANG_CANDIDATE_PHASE, "expr": f"{phase} and on ({RUN}) {may_be_hung}"},
+        {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {may_be_hung}"},
     ]
-
-
-def _candidates(gate: str) -> list[dict[str, str]]:
-    """Each rank's phase and collective count while `gate` (its run may be hung) holds."""
-    return [
-        {"record": HANG_CANDIDATE_PHASE, "expr": f"{metric_name('phase')} and on ({RUN}) {gate}"},
-        {"record": HANG_CANDIDATE_COLLECTIVES, "expr": f"{_counts()} and on ({RUN}) {gate}"},
-    ]
-
-
-def one_server_records(t: Tunables) -> list[dict[str, str]]:
-    """The candidates as one server records them. Recorded, not computed inside the suspects: they are present
-    only while a run may be hung, so recording them writes few samples, and the suspects then read each rank's
-    phase once (not twice) and its collective count once (not three times: the run's extremes come from the
-    candidates too). At 4096 ranks that is three reads of every rank less per evaluation (benchmarks.scale).
-
-    Gated on scraped series only (one rank per node), so that the suspects stay two recording levels above the
-    scraped data: no step for half the hang threshold, with the run's current mean step time (over
-    ``hang_step_window``; 0 once no step completed within it, so that the gate falls to half the floor, the
-    candidates being recorded from then on for as long as the hang lasts). The run-level records use the step
-    time of the last window with a step: the gate opens no later than theirs."""
-    last_step = f"{metric_name('last_step_timestamp_seconds')}{ONE_PER_NODE}"
-    step = metric_name("step_duration_seconds")
-    age = f"min by ({RUN}) (timestamp({last_step}) - ({last_step} > 0))"
-    mean = (
-        f"{rate_by(RUN, f'{step}_sum', t.hang_step_window, ONE_PER_NODE)} / "
-        f"clamp_min({rate_by(RUN, f'{step}_count', t.hang_step_window, ONE_PER_NODE)}, 1e-9)"
-    )
-    multiple, floor = num(t.hang_step_multiple * _CANDIDATE_SHARE), num(t.hang_floor_seconds * _CANDIDATE_SHARE)
-    return _candidates(f"({age} > on ({RUN}) clamp_min(({mean}) * {multiple}, {floor}))")
 
 
 def sharded_forms(t: Tunables) -> dict[str, str]:
@@ -195,8 +172,6 @@ def records(t: Tunables) -> list[dict[str, str]]:
     since_excused = f"(time() - max_over_time({HANG_EXCUSED_AT}[{t.hang_step_lookback}]))"
     last_step = metric_name("last_step_timestamp_seconds")
     step = metric_name("step_duration_seconds")
-    # The most collectives a rank of the run started, from the candidates: every rank of a run that may be hung.
-    most = f"max by ({RUN}) ({HANG_CANDIDATE_COLLECTIVES})"
     return [
         {
             # Absent while no step completes (0/0 is left out), so the lookback keeps the last real value. The
@@ -242,8 +217,10 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"or on ({RUN})\n"
             f"{LAST_STEP_AGE}",
         },
-        # What the suspects compare each rank with: one read of the phase.
+        # What the suspects compare each rank with: one read of the phase, and the counts from each node's part.
         {"record": PHASE_RANKS, "expr": f'count_values by ({RUN}) ("phase", {metric_name("phase")})'},
+        {"record": COLLECTIVES_MAX, "expr": f"max by ({RUN}) ({COLLECTIVES_NODE_MAX})"},
+        {"record": COLLECTIVES_MIN, "expr": f"min by ({RUN}) ({COLLECTIVES_NODE_MIN})"},
         {
             # Value: the suspect's phase index; label `suspect`: why it is one (see the module docstring). Only
             # for a run without a step for longer than the floor, below which the alert cannot fire: a healthy
@@ -259,14 +236,14 @@ def records(t: Tunables) -> list[dict[str, str]]:
             f"  ({HANG_CANDIDATE_PHASE} == {_COLLECTIVE})\n"
             f"  and on ({RANK})\n"
             f"  ({HANG_CANDIDATE_COLLECTIVES} < on ({RUN}) group_left ()"
-            f" ({most} and on ({RUN}) {maybe_hung})),\n"
+            f" ({COLLECTIVES_MAX} and on ({RUN}) {maybe_hung})),\n"
             f'  "suspect", "lagging_collectives", "", ""\n'
             f")\n"
             f"or\n"
             f"label_replace(\n"
             f"  max by ({RUN}) ({in_collective} and on ({RUN}) {maybe_hung}) * 0 + {_COLLECTIVE}\n"
             f"  and on ({RUN}) (sum by ({RUN}) ({in_collective}) == sum by ({RUN}) ({PHASE_RANKS}))\n"
-            f"  and on ({RUN}) (min by ({RUN}) ({HANG_CANDIDATE_COLLECTIVES}) == {most}),\n"
+            f"  and on ({RUN}) ({COLLECTIVES_MIN} == {COLLECTIVES_MAX}),\n"
             f'  "suspect", "every_rank_in_collective", "", ""\n'
             f")",
         },
