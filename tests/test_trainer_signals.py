@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -91,6 +92,24 @@ def test_the_rank_that_loses_its_peer_says_so_in_one_line(trainer_job) -> None:
     assert "[rank0]: Traceback" not in output and "[rank0]:Traceback" not in output, job.tail()
     # It left by itself: DataLoader workers that ignore SIGTERM did not hold its exit until torchrun's SIGKILL.
     assert "forcefully exiting via 9" not in output, job.tail()
+
+
+def test_the_line_survives_the_launchers_sigterm_landing_while_the_rank_unwinds(trainer_job) -> None:
+    # torchrun SIGTERMs the survivors as soon as it sees rank 1 gone, at any moment of rank 0's unwinding,
+    # including after its stop handlers are put back. SIGTERMs every few milliseconds cover every moment: the
+    # line must already be out when the default handler ends the rank.
+    job = trainer_job("peer_lost_sigterm", ENDLESS)
+    job.wait_for(lambda: job.global_step(1) >= 5, "rank 1 past step 5")
+    ranks = job.rank_processes()
+    ranks[1].send_signal(signal.SIGKILL)
+    while job.proc.poll() is None and ranks[0].is_running():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ranks[0].send_signal(signal.SIGTERM)
+        time.sleep(0.005)
+    assert job.wait_exit(timeout=120) != 0
+    output = job.output.read_text()
+    lines = [line for line in output.splitlines() if "trainer: rank 0 stopped: lost contact with another rank" in line]
+    assert len(lines) == 1, job.tail()
 
 
 def test_a_killed_rank_0_with_data_workers_is_restarted_and_the_job_completes(trainer_job) -> None:

@@ -31,11 +31,11 @@ except ImportError as exc:
 
 from rankscope import MetricsPortInUse
 from rankscope.control import ControlStartError
-from torch.distributed import DistError
 
 from rankscope_trainer.checkpoint import CheckpointError
 from rankscope_trainer.config import ConfigError, add_overrides_option, load_config
 from rankscope_trainer.data import DataError
+from rankscope_trainer.lost_peer import lost_peer, report_lost_peer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,16 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)  # fmt: skip
 
 
-def _lost_peer(exc: RuntimeError) -> bool:
-    """A collective failed because another rank is gone: torch's DistError (NCCL, timeouts) or gloo's
-    RuntimeError from its TCP transport (a peer that died closes its sockets)."""
-    if isinstance(exc, DistError):
-        return True
-    message = str(exc)
-    lost = ("Connection reset", "Connection closed", "Broken pipe")
-    return "gloo" in message and any(word in message for word in lost)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -69,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [rank {rank}] %(message)s",
         datefmt="%H:%M:%S",
     )
+    trainer = None
     try:
         config = load_config(args.config, args.overrides)
         from rankscope_trainer.loop import Trainer  # after the config check, so a typo fails before transformers loads
@@ -79,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        if not _lost_peer(exc):
+        if not lost_peer(exc):
             raise
-        detail = " ".join(str(exc).split())[:160]
-        print(f"trainer: rank {rank} stopped: lost contact with another rank ({detail}); "
-              "the first error is in that rank's output", file=sys.stderr)  # fmt: skip
+        if trainer is None:  # fit() says it itself, before its clean-up
+            report_lost_peer(rank, exc)
         return 1
     failures = trainer.checkpoints.failures
     if failures:

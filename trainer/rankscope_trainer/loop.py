@@ -51,6 +51,7 @@ from rankscope_trainer.fault_markers import FaultMarkers
 from rankscope_trainer.faults import FaultInjector
 from rankscope_trainer.logbook import ProgressLog
 from rankscope_trainer.lookahead import BAD_LOSS_FACTOR, bad_stretch_length, batch_loss, clean_loss
+from rankscope_trainer.lost_peer import lost_peer, report_lost_peer
 from rankscope_trainer.metrics import TRAINER_METRICS
 from rankscope_trainer.model import build_model, contrastive_accuracy, contrastive_loss
 from rankscope_trainer.onset import LOSS_HISTORY_STEPS, LossHistory, excursion_start, rate_raised
@@ -184,6 +185,10 @@ class Trainer:
             while self.step < self.cfg.run.max_steps and self.stop_reason is None:
                 self._train_epoch()
             self._finish()
+        except RuntimeError as exc:
+            if lost_peer(exc):  # said before close(): the launcher's SIGTERM may end this rank during it
+                report_lost_peer(self.rt.rank, exc)
+            raise
         finally:
             self.close()
 
