@@ -151,6 +151,9 @@ class Tunables:
     """Range for rate() and histogram quantiles; keep it >= 4 scrape intervals."""
     loss_smoothing_window: str = "2m"
     """The loss's median over this range is compared, so a noisy batch or a short spike cannot fire."""
+    loss_leap_window: str = "20s"
+    """Each rank's loss's lower quartile over this range is the run's recent loss, which names a leap (see
+    divergence_leap_factor) long before the smoothed loss can. Keep it >= 4 scrape intervals."""
     loss_baseline_window: str = "30m"
     """Divergence compares the smoothed loss with its median over this range (its baseline)."""
     loss_change_window: str = "30m"
@@ -189,6 +192,13 @@ class Tunables:
     noise halves and doubles (0.0012 to 0.0025), a loss that learned falls by a larger factor."""
     divergence_relapse_share: float = 0.5
     """...the share (0..1) of its fall, from its highest to its lowest, the smoothed loss climbed back."""
+    divergence_leap_factor: float = 2.0
+    """The loss leapt: its recent lower quartile (over loss_leap_window) is above this many times the highest the
+    smoothed loss reached over loss_baseline_window. A leap the smoothed loss (a median) shows only once half its
+    window is high, 60 s and more into it; the recent quartile shows it once three quarters of its 20 s are. Above
+    the window's highest, not its median: near zero a loss's median flips between a batch's usual values (the fault
+    campaign's converged loss went from 0.0001 to 0.087 and back), its highest already covers them. In a run's first
+    loss_baseline_window the recent quartile also counts as the smoothed loss does for divergence_relapse_share."""
     divergence_for: str = "15s"
     """How long the smoothed loss stays over its line before the alert fires. The median over
     loss_smoothing_window is already the guard against noise (it crosses once more than half its window is
@@ -353,7 +363,7 @@ class Tunables:
                      "loss_scale_overflow_share", "loss_plateau_improvement", "divergence_relapse_share",
                      "val_loss_plateau_improvement"):  # fmt: skip
             check_range(name, getattr(self, name), gt=0, lt=1)
-        for name in ("divergence_factor", "divergence_relapse_fall", "imbalance_ratio"):
+        for name in ("divergence_factor", "divergence_leap_factor", "divergence_relapse_fall", "imbalance_ratio"):
             check_range(name, getattr(self, name), gt=1)
         for name in ("grad_norm_explosion", "grad_norm_vanishing", "data_wait_p90_seconds", "stall_seconds",
                      "loss_scale_min", "slow_step_seconds", "hang_floor_seconds", "hang_step_multiple",

@@ -137,11 +137,16 @@ LOSS_SMOOTHED = f"run:{metric_name('loss')}:smoothed"
 LOSS_BASELINE = f"run:{metric_name('loss')}:window_median"
 LOSS_WINDOW_LOW = f"run:{metric_name('loss')}:window_min"
 LOSS_WINDOW_HIGH = f"run:{metric_name('loss')}:window_max"
+#: The run's loss over the last few seconds, by its lower quartile (each rank's, then their mean): a leap in the
+#: loss that the smoothed loss would take half its window to show.
+LOSS_RECENT_LOW = f"run:{metric_name('loss')}:recent_lower_quartile"
 VAL_LOSS = f"run:{metric_name('loss')}:val_mean"
 #: Each node's sum and count of its ranks' smoothed training losses: the sharded layout's LOSS_SMOOTHED is their
 #: run's mean.
 LOSS_SMOOTHED_NODE_SUM = f"run_node:{metric_name('loss')}:smoothed_sum"
 LOSS_SMOOTHED_NODE_COUNT = f"run_node:{metric_name('loss')}:smoothed_count"
+LOSS_RECENT_LOW_NODE_SUM = f"run_node:{metric_name('loss')}:recent_lower_quartile_sum"
+LOSS_RECENT_LOW_NODE_COUNT = f"run_node:{metric_name('loss')}:recent_lower_quartile_count"
 #: Each node's sum and count of its ranks' latest validation loss: VAL_LOSS is their run's mean.
 VAL_LOSS_NODE_SUM = f"run_node:{metric_name('loss')}:val_sum"
 VAL_LOSS_NODE_COUNT = f"run_node:{metric_name('loss')}:val_count"

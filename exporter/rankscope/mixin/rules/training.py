@@ -8,6 +8,9 @@ from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
     GRAD_NORM_NODE_MAX,
     LOSS_BASELINE,
+    LOSS_RECENT_LOW,
+    LOSS_RECENT_LOW_NODE_COUNT,
+    LOSS_RECENT_LOW_NODE_SUM,
     LOSS_SMOOTHED,
     LOSS_SMOOTHED_NODE_COUNT,
     LOSS_SMOOTHED_NODE_SUM,
@@ -32,18 +35,38 @@ def _rank_smoothed_loss(t: Tunables) -> str:
     return f'quantile_over_time(0.5, {metric_name("loss")}{{split="train"}}[{t.loss_smoothing_window}])'
 
 
+def _rank_recent_loss(t: Tunables) -> str:
+    """Each rank's recent training loss: its lower quartile over the leap window (high only once most of it is)."""
+    return f'quantile_over_time(0.25, {metric_name("loss")}{{split="train"}}[{t.loss_leap_window}])'
+
+
+#: (the run's mean, each node's sum, each node's count) of a per-rank loss measure.
+_MEANS = (
+    (LOSS_SMOOTHED, LOSS_SMOOTHED_NODE_SUM, LOSS_SMOOTHED_NODE_COUNT, _rank_smoothed_loss),
+    (LOSS_RECENT_LOW, LOSS_RECENT_LOW_NODE_SUM, LOSS_RECENT_LOW_NODE_COUNT, _rank_recent_loss),
+)
+
+
 def shard_records(t: Tunables) -> list[dict[str, str]]:
-    """Each node's sum and count of its ranks' smoothed losses, for the sharded layout's form of LOSS_SMOOTHED."""
+    """Each node's sum and count of its ranks' smoothed and recent losses, for the sharded layout's forms of the
+    run's."""
     return [
-        {"record": LOSS_SMOOTHED_NODE_SUM, "expr": f"sum by ({NODE}) ({_rank_smoothed_loss(t)})"},
-        {"record": LOSS_SMOOTHED_NODE_COUNT, "expr": f"count by ({NODE}) ({_rank_smoothed_loss(t)})"},
+        record
+        for _, node_sum, node_count, per_rank in _MEANS
+        for record in (
+            {"record": node_sum, "expr": f"sum by ({NODE}) ({per_rank(t)})"},
+            {"record": node_count, "expr": f"count by ({NODE}) ({per_rank(t)})"},
+        )
     ]
 
 
 def sharded_forms(t: Tunables) -> dict[str, str]:
-    """The run's smoothed loss from its nodes' sums and counts: the mean one server takes in one read of every
-    rank (two would cost it twice as much), without a rank's series on the global server."""
-    return {LOSS_SMOOTHED: f"sum by ({RUN}) ({LOSS_SMOOTHED_NODE_SUM})\n/\nsum by ({RUN}) ({LOSS_SMOOTHED_NODE_COUNT})"}
+    """The run's smoothed and recent losses from their nodes' sums and counts: the mean one server takes in one read
+    of every rank (two would cost it twice as much), without a rank's series on the global server."""
+    return {
+        run_mean: f"sum by ({RUN}) ({node_sum})\n/\nsum by ({RUN}) ({node_count})"
+        for run_mean, node_sum, node_count, _ in _MEANS
+    }
 
 
 def records(t: Tunables) -> list[dict[str, str]]:
@@ -57,6 +80,8 @@ def records(t: Tunables) -> list[dict[str, str]]:
             "record": LOSS_SMOOTHED,
             "expr": f"avg by ({RUN}) ({_rank_smoothed_loss(t)})",
         },
+        # Its last seconds, by their lower quartile: a leap the median takes half its window to show.
+        {"record": LOSS_RECENT_LOW, "expr": f"avg by ({RUN}) ({_rank_recent_loss(t)})"},
         # The baseline divergence compares with: the smoothed loss's typical level, not its lowest dip.
         {"record": LOSS_BASELINE, "expr": f"quantile_over_time(0.5, {LOSS_SMOOTHED}[{t.loss_baseline_window}])"},
         # Its range over the same window: in a run's first window, how far it fell and how far it climbed back.
@@ -74,27 +99,34 @@ def records(t: Tunables) -> list[dict[str, str]]:
 def alerts(t: Tunables) -> list[Alert]:
     overflows = metric_name("loss_scale_overflows_total")
     divergence, divergence_said = effect(t.divergence_action)
+    relapse_line = f"{LOSS_WINDOW_LOW} + {num(t.divergence_relapse_share)} * ({LOSS_WINDOW_HIGH} - {LOSS_WINDOW_LOW})"
     nonfinite, nonfinite_said = effect(t.nonfinite_action)
     return [
         Alert(
             "RankscopeLossDiverging",
             f"(\n  {LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\n  and {LOSS_BASELINE} > 0\n"
             f"  and {LOSS_SMOOTHED} - {LOSS_BASELINE} > {num(t.divergence_min_increase)}\n)\n"
+            # A leap: the last seconds' lower quartile over the most the smoothed loss reached in the window. The
+            # same leap takes the median half its window to show; by then the highest has risen with it and the
+            # clause above holds instead.
+            f"or\n(\n  {LOSS_RECENT_LOW} > {num(t.divergence_leap_factor)} * {LOSS_WINDOW_HIGH}\n"
+            f"  and {LOSS_WINDOW_HIGH} > 0\n)\n"
             # In the run's first window (no smoothed loss a window ago) the median is the loss's own fall: a
             # loss that learned (fell by the factor) and climbed back over the share of its fall diverged.
-            f"or\n(\n  {LOSS_SMOOTHED} > {LOSS_WINDOW_LOW} + {num(t.divergence_relapse_share)} * "
-            f"({LOSS_WINDOW_HIGH} - {LOSS_WINDOW_LOW})\n"
+            f"or\n(\n  (\n    {LOSS_SMOOTHED} > {relapse_line}\n    or\n    {LOSS_RECENT_LOW} > {relapse_line}\n  )\n"
             f"  and {LOSS_WINDOW_HIGH} > {num(t.divergence_relapse_fall)} * {LOSS_WINDOW_LOW}\n"
             f"  and {LOSS_WINDOW_LOW} > 0\n"
             f"  unless on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_baseline_window}\n)",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
-            "The training loss of run {{ $labels.run_id }} (all ranks, the median over "
-            f'{t.loss_smoothing_window}) is {{{{ $value | printf "%.4g" }}}}, more than '
-            f"{num(t.divergence_factor)}x its median over the last {t.loss_baseline_window} (or, in the run's first "
-            f"{t.loss_baseline_window}, back over {num(t.divergence_relapse_share * 100)}% of its fall after it fell "
-            f"{num(t.divergence_relapse_fall)}-fold), for {t.divergence_for}. "
+            "The training loss of run {{ $labels.run_id }} (all ranks) is "
+            f'{{{{ $value | printf "%.4g" }}}}: its median over {t.loss_smoothing_window} more than '
+            f"{num(t.divergence_factor)}x its median over the last {t.loss_baseline_window}, or its lower quartile "
+            f"over {t.loss_leap_window} more than {num(t.divergence_leap_factor)}x the highest that median reached "
+            f"in it (or, in the run's first {t.loss_baseline_window}, either back over "
+            f"{num(t.divergence_relapse_share * 100)}% of its fall after it fell {num(t.divergence_relapse_fall)}-fold)"
+            f", for {t.divergence_for}. "
             f"{sentence(divergence_said)}.",
             t.divergence_action,
             # A rollback goes back to before the loss's median began to climb: Prometheus sends the time the

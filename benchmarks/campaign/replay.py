@@ -1,0 +1,177 @@
+"""Replay a campaign run's logged training losses through the divergence alert, as promtool evaluates it.
+
+    python -m benchmarks.campaign.replay WORKDIR/on/log.jsonl [...] [--rules prometheus/rules]
+
+The trainer logs rank 0's loss at every step. Each second (the campaign's scrape and evaluation interval)
+becomes one scrape of `rankscope_loss{split="train"}`, holding the last loss logged by then, or none while no step
+was logged for longer than a few seconds (a restart: the target is down). promtool then evaluates the rules of
+`rules/training.yml` over it at the same interval, and every second at which `RankscopeLossDiverging` was firing
+is read back from its report. The firing stretches are printed against the run's faults: one that begins within
+`--attribution` seconds of a fault names it; any other is a false alarm.
+
+This is a stand-in for the rank-averaged loss (rank 0's alone) on the rules as generated, not a copy of them:
+what a rule change would have done on runs already made, before a campaign runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.campaign.runlog import read_records
+
+__all__ = ["Replay", "firing_seconds", "replay", "scrapes"]
+
+ALERT = "RankscopeLossDiverging"
+#: A scrape finds no step logged for this long: the trainer is restarting, its target down.
+DOWN_AFTER_SECONDS = 5.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Replay:
+    start: float
+    """Unix time of the first scrape."""
+    faults: list[tuple[str, float]]
+    """(fault name, Unix time it was played), first play of each."""
+    firing: list[tuple[int, int]]
+    """(first, last) second after `start` of each stretch the alert was firing."""
+
+    def lines(self, attribution: float) -> list[str]:
+        out = []
+        for first, last in self.firing:
+            at = self.start + first
+            cause = [(name, at - played) for name, played in self.faults if 0 <= at - played <= attribution]
+            what = f"{cause[-1][0]} +{cause[-1][1]:.0f} s" if cause else "FALSE ALARM"
+            out.append(f"  firing {first:6d}-{last:6d} s  ({last - first + 1:4d} s)  {what}")
+        return out
+
+
+def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None]]:
+    """(time of the first scrape, one value a second): the last training loss logged by then, or None (down)."""
+    train = [(r["time"], r["loss"]) for r in records if r.get("type") == "train"]
+    if not train:
+        raise ValueError("no training steps in the log")
+    times = [t for t, _ in train]
+    first = float(int(times[0]) + 1)
+    values: list[float | None] = []
+    t = first
+    while t <= times[-1]:
+        i = bisect.bisect_right(times, t) - 1
+        values.append(train[i][1] if t - times[i] <= DOWN_AFTER_SECONDS else None)
+        t += 1.0
+    return first, values
+
+
+def _series_values(values: list[float | None]) -> str:
+    """promtool's notation: a value per interval, `stale` where a scrape first failed, `_` after."""
+    out, previous = [], 0.0
+    for value in values:
+        if value is None:
+            out.append("_" if previous is None else "stale")
+        else:
+            out.append(repr(float(value)))
+        previous = value
+    return " ".join(out)
+
+
+def _duration(text: str) -> int:
+    """promtool's eval time (e.g. 1h2m3s) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([hms])", text))
+
+
+def firing_seconds(report: str) -> list[int]:
+    """The eval times at which promtool got the alert firing where the test expected none."""
+    seconds = []
+    for block in re.split(r"\n\s*alertname: ", report)[1:]:
+        head, _, rest = block.partition("\n")
+        match = re.match(rf"{ALERT}, time: (\S+?),", head)
+        if match and "Labels:" in rest.split("got:", 1)[-1]:
+            seconds.append(_duration(match.group(1)))
+    return sorted(seconds)
+
+
+def _stretches(seconds: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in seconds:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
+    records = read_records(log)
+    start, values = scrapes(records)
+    faults: dict[str, float] = {}
+    for r in records:
+        if r.get("type") == "fault":
+            faults.setdefault(r["name"], r["time"])
+    labels = 'run_id="replay", rank="0", local_rank="0", node="n0", job="rankscope", instance="n0:9400", split="train"'
+    test = {
+        "rule_files": [str((rules_dir / "training.yml").resolve())],
+        "evaluation_interval": "1s",
+        "tests": [
+            {
+                "interval": "1s",
+                "input_series": [{"series": f"rankscope_loss{{{labels}}}", "values": _series_values(values)}],
+                "alert_rule_test": [
+                    {"alertname": ALERT, "eval_time": f"{s}s", "exp_alerts": []} for s in range(len(values))
+                ],
+            }
+        ],
+    }
+    with tempfile.TemporaryDirectory(prefix="rankscope-replay-") as tmp:
+        path = Path(tmp) / "replay_test.yml"
+        path.write_text(yaml.safe_dump(test, width=1 << 30))
+        done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
+    report = done.stdout + done.stderr
+    # A rule file it cannot find is only a warning to promtool, and every expectation of silence then holds.
+    if "no file match" in report or done.returncode != 0 and f"alertname: {ALERT}" not in report:
+        raise RuntimeError(f"promtool could not run the replay: {report.strip()[:500]}")
+    firing = _stretches(firing_seconds(report))
+    return Replay(start, sorted(faults.items(), key=lambda item: item[1]), firing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.campaign.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+", type=Path, help="a campaign arm's log.jsonl")
+    parser.add_argument("--rules", type=Path, default=REPO / "prometheus" / "rules", help="rules directory")
+    parser.add_argument("--attribution", type=float, default=300.0, help="seconds after a fault that name it")
+    args = parser.parse_args(argv)
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        print("replay: error: promtool not found on PATH", file=sys.stderr)
+        return 2
+    if not (args.rules / "training.yml").exists():
+        print(f"replay: error: {args.rules / 'training.yml'} does not exist", file=sys.stderr)
+        return 2
+    false_alarms = 0
+    for log in args.logs:
+        try:
+            result = replay(log, args.rules, promtool)
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"replay: error: {log}: {exc}", file=sys.stderr)
+            return 2
+        print(f"{log}: faults at " + ", ".join(f"{n} +{t - result.start:.0f} s" for n, t in result.faults))
+        lines = result.lines(args.attribution)
+        print("\n".join(lines) if lines else "  never firing")
+        false_alarms += sum("FALSE ALARM" in line for line in lines)
+    print(f"false alarms: {false_alarms}")
+    return 1 if false_alarms else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
