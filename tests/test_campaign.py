@@ -5,19 +5,22 @@ produce. The campaign itself (real stack, real faults) runs as `python -m benchm
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
-from benchmarks.campaign.arm import ArmRecord
+from benchmarks.campaign.arm import ARMS, ArmRecord, rules_for
 from benchmarks.campaign.operator import Operator, runbook_actions
 from benchmarks.campaign.results import step_times, summarise, target_loss
 from benchmarks.campaign.schedule import KINDS, QUICK_KINDS, build_schedule
 from benchmarks.latency import Control
 from devstack.monitoring import unix_time
 from devstack.webhook import WebhookSink
+from tests.support import binary
 
 
 def _train(step: int, at: float, loss: float = 1.0) -> dict:
@@ -275,3 +278,26 @@ def test_an_arms_record_reads_back_as_it_was_written() -> None:
     record.operator = [OperatorAction("RankscopeRankHung", "1", 1.0, 301.0, "restart", "answered")]
     again = ArmRecord.from_json(json.loads(json.dumps(record.to_json())))
     assert again == record
+
+
+def test_the_loop_off_arm_pages_the_operator_with_every_alert_whose_runbook_says_to_act(tmp_path: Path) -> None:
+    # "Every alert only pages": the shipped routes send severity="ticket" to a queue that notifies no one, so an
+    # off arm with the shipped severities never told its operator of a divergence, a memory alert or a straggler,
+    # and the run stayed at chance for the rest of the arm. Checked on the arm's own generated rules and routes.
+    rules_dir = rules_for(tmp_path, ARMS["off"].rule_settings)
+    alerts = {
+        rule["alert"]: rule["labels"]
+        for path in sorted((rules_dir / "rules").glob("*.yml"))
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    acted_on = runbook_actions()
+    assert set(acted_on) <= set(alerts)
+    config = rules_dir.parent / "alertmanager" / "alertmanager.yml"
+    for name in sorted(acted_on):
+        assert "action" not in alerts[name], f"{name} still asks the trainer to act in the loop-off arm"
+        labels = [f"{key}={value}" for key, value in {**alerts[name], "alertname": name, "run_id": "r"}.items()]
+        test = [binary("amtool"), "config", "routes", "test", f"--config.file={config}", "--verify.receivers=pager"]
+        routed = subprocess.run([*test, *labels], capture_output=True, text=True, timeout=60, check=False)
+        assert routed.returncode == 0, f"{name} ({labels}) does not reach the pager: {routed.stdout.strip()}"

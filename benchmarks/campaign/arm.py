@@ -2,8 +2,8 @@
 
 An arm runs, on loopback: Prometheus and Alertmanager from the repository's configs at 1 s scrape and
 evaluation (`devstack.monitoring.MonitoringStack`) with the rule pack generated for the arm (loop on: the
-shipped settings; loop off: every `*_action` emptied, so alerts only page), a pager (`devstack.webhook`), and
-the reference trainer on 2 ranks under torchrun (`devstack.jobs.TrainerJob`), resuming from its newest
+shipped settings; loop off: every `*_action` emptied and every severity `page`, so every alert only pages), a
+pager (`devstack.webhook`), and the reference trainer on 2 ranks under torchrun (`devstack.jobs.TrainerJob`), resuming from its newest
 checkpoint after every restart. The runner watches rank 0's step and injects its own faults (SIGKILL of a
 rank; a preemption: SIGTERM to torchrun, then the job launched again with `--resume auto`, as a scheduler
 would); the trainer injects the rest from its `faults.schedule`. In the loop-off arm the scripted operator
@@ -71,7 +71,9 @@ class ArmSpec:
 ARMS = {
     "fault-free": ArmSpec("fault-free", (), faults=False, operator=False),
     "on": ArmSpec("on", (), faults=True, operator=False),
-    "off": ArmSpec("off", ("*_action=",), faults=True, operator=True),
+    # Every alert only pages: no action, and severity page, since the shipped routes send a ticket to a queue
+    # that notifies no one (the operator would never hear of a divergence or a memory alert).
+    "off": ArmSpec("off", ("*_action=", "*_severity=page"), faults=True, operator=True),
 }
 
 
