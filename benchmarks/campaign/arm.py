@@ -1,13 +1,13 @@
 """One arm of the campaign: the whole stack, one training job, the schedule played, everything recorded.
 
-An arm runs, on loopback: Prometheus and Alertmanager from the repository's configs at 1 s scrape and
-evaluation (`devstack.monitoring.MonitoringStack`) with the rule pack generated for the arm (loop on: the
-shipped settings; loop off: every `*_action` emptied and every severity `page`, so every alert only pages), a
-pager (`devstack.webhook`), and the reference trainer on 2 ranks under torchrun (`devstack.jobs.TrainerJob`),
-resuming from its newest checkpoint after every restart. The runner watches rank 0's step and injects its own faults (SIGKILL of a
-rank; a preemption: SIGTERM to torchrun, then the job launched again with `--resume auto`, as a scheduler
-would); the trainer injects the rest from its `faults.schedule`. In the loop-off arm the scripted operator
-answers the pages.
+An arm runs, on loopback: Prometheus and Alertmanager from the repository's configs at 1 s scrape and evaluation
+(`devstack.monitoring.MonitoringStack`) with the rule pack generated for the arm (loop on: the shipped settings;
+loop off: every `*_action` emptied and every severity `page`, so every alert only pages), a pager
+(`devstack.webhook`), and the reference trainer on 2 ranks under torchrun (`devstack.jobs.TrainerJob`), resuming
+from its newest checkpoint after every restart. The runner watches rank 0's step and injects its own faults
+(SIGKILL of a rank; a preemption: SIGTERM to torchrun, then the job launched again with `--resume auto`, as a
+scheduler would); the trainer injects the rest from its `faults.schedule`. In the loop-off arm the scripted
+operator answers the pages.
 
 What it records is raw: the run log, the pager's deliveries, the alerts Prometheus held (ALERTS, read back
 over the run), the control actions, the goodput ledger, the runner's own clock at each event. The analysis
