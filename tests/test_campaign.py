@@ -177,6 +177,26 @@ def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_in
         endpoint.close()
 
 
+
+def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carries_none(tmp_path: Path) -> None:
+    # The loop-off arm's rules carry no action, so the divergence alert has no incident_lookback_seconds: the
+    # operator took the incident to begin when the alert fired, 70 s into the divergence, and restored a
+    # checkpoint with it in. The runbook says where it began: the shipped rule's lookback (135 s).
+    fired = unix_time("2026-12-04T05:00:00Z")
+    log = tmp_path / "log.jsonl"
+    trained = [(100, fired - 200), (200, fired - 140), (300, fired - 130), (400, fired - 60), (500, fired)]
+    log.write_text("".join(json.dumps({"type": "train", "step": s, "time": t}) + "\n" for s, t in trained))
+    pager, endpoint = WebhookSink(), WebhookSink()
+    operator = Operator(pager, Control(endpoint.port, "token"), delay=0.0, run_id="r-off", run_log=log).start()
+    try:
+        _page(pager, "RankscopeLossDiverging", "firing")
+        delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
+        assert delivery.body["params"] == {"before_step": 200}  # 135 s before it fired
+    finally:
+        operator.close()
+        pager.close()
+        endpoint.close()
+
 def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:
     from benchmarks.campaign.__main__ import goals
     from benchmarks.campaign.results import ArmSummary, FaultOutcome

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankscope.mixin import rules
 from rankscope.mixin.config import ACTION_TUNABLES, Tunables
 
 from benchmarks.latency import Control
@@ -23,7 +24,7 @@ from devstack.webhook import WebhookSink
 
 from .runlog import read_records
 
-__all__ = ["Operator", "OperatorAction", "runbook_actions"]
+__all__ = ["Operator", "OperatorAction", "runbook_actions", "runbook_lookbacks"]
 
 
 def runbook_actions() -> dict[str, str]:
@@ -36,6 +37,16 @@ def runbook_actions() -> dict[str, str]:
             if action:
                 found[alert] = action
     return found
+
+
+def runbook_lookbacks() -> dict[str, float]:
+    """alertname -> how long before the alert fired the runbook says its incident began: the shipped rule's
+    `incident_lookback_seconds` (the loop-off arm's rules, with no action, carry none)."""
+    return {
+        alert.name: float(alert.parameters["incident_lookback_seconds"])
+        for alert in rules.alerts(Tunables())
+        if "incident_lookback_seconds" in alert.parameters
+    }
 
 
 @dataclass
@@ -57,6 +68,7 @@ class Operator:
     def __init__(self, pager: WebhookSink, control: Control, delay: float, run_id: str, run_log: Path) -> None:
         self.pager, self.control, self.delay, self.run_id, self.run_log = pager, control, delay, run_id, run_log
         self.runbook = runbook_actions()
+        self.lookbacks = runbook_lookbacks()
         self.answered: list[OperatorAction] = []
         self._answered_changed = threading.Condition()
         self._seen = 0
@@ -116,11 +128,14 @@ class Operator:
     def _params(self, action: str, alert: dict) -> dict[str, Any] | None:
         """A rollback goes to before the incident, as the runbook says: the operator reads on the loss panel
         where it began, here the step the run log shows at the alert's startsAt less its
-        incident_lookback_seconds (what the loop's own rollback goes back to). Posted without it, the
-        endpoint would take the incident to be now, and restore the divergence it was asked to undo."""
+        incident_lookback_seconds (what the loop's own rollback goes back to), the runbook's where the alert
+        carries none. Posted without it, the endpoint would take the incident to be now, and restore the
+        divergence it was asked to undo."""
         if action != "rollback":
             return None
-        began = unix_time(alert["startsAt"]) - float(alert.get("annotations", {}).get("incident_lookback_seconds", 0))
+        name = alert.get("labels", {}).get("alertname", "")
+        lookback = alert.get("annotations", {}).get("incident_lookback_seconds", self.lookbacks.get(name, 0.0))
+        began = unix_time(alert["startsAt"]) - float(lookback)
         steps = [r["step"] for r in read_records(self.run_log) if r.get("type") == "train" and r["time"] <= began]
         return {"before_step": steps[-1]} if steps else None
 
