@@ -177,7 +177,6 @@ def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_in
         endpoint.close()
 
 
-
 def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carries_none(tmp_path: Path) -> None:
     # The loop-off arm's rules carry no action, so the divergence alert has no incident_lookback_seconds: the
     # operator took the incident to begin when the alert fired, 70 s into the divergence, and restored a
@@ -196,6 +195,7 @@ def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carr
         operator.close()
         pager.close()
         endpoint.close()
+
 
 def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:
     from benchmarks.campaign.__main__ import goals
