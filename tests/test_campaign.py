@@ -269,7 +269,15 @@ def test_a_bad_rule_setting_is_refused_in_one_line_before_any_run(capsys: pytest
 def test_the_checkpoints_kept_reach_back_past_a_divergences_smoothing_and_for() -> None:
     from benchmarks.campaign.__main__ import CHECKPOINT_SECONDS, kept_checkpoints
 
-    assert (kept_checkpoints() - 1) * CHECKPOINT_SECONDS >= 4 * 60
+    assert (kept_checkpoints(0.0) - 1) * CHECKPOINT_SECONDS >= 4 * 60
+
+
+def test_the_checkpoints_kept_reach_back_past_the_operators_delay_too() -> None:
+    # The loop-off arm's rollback comes the operator's delay after the alert: with 5 minutes of checkpoints, the
+    # ones from before a divergence were gone by the time the 300 s operator asked for them.
+    from benchmarks.campaign.__main__ import CHECKPOINT_SECONDS, kept_checkpoints
+
+    assert (kept_checkpoints(300.0) - 1) * CHECKPOINT_SECONDS >= 300 + 4 * 60
 
 
 def test_resume_needs_the_campaigns_own_folder_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,9 +46,10 @@ WARMUP_STEPS = 60
 CHECKPOINT_SECONDS = 15.0
 #: A validation every this many seconds of training (the time-to-target's resolution).
 VALIDATION_SECONDS = 30.0
-#: Checkpoints kept reach this far back: a rollback on divergence goes to before the loss began to climb, up to a
-#: smoothing window (2m) before the alert went pending, itself a `for` (15 s) before it fired; plus a margin for
-#: the slower detection the schedule allows (`detect_seconds`).
+#: Checkpoints kept reach this far back, beyond the operator's delay: a rollback on divergence goes to before the
+#: loss began to climb, up to a smoothing window (2m) before the alert went pending, itself a `for` (15 s) before it
+#: fired; plus a margin for the slower detection the schedule allows (`detect_seconds`). Every arm keeps as many:
+#: the loop-off arm's operator asks for the same checkpoint the loop would have, his delay later.
 ROLLBACK_REACH_SECONDS = 300.0
 #: The calibration and what the schedule was built from, written at the start: `--resume` goes on from it.
 PLAN_FILE = "plan.json"
@@ -77,9 +78,9 @@ def _calibrate(workdir: Path, settings: tuple[str, ...]) -> float:
     return statistics.median(gaps[len(gaps) // 3 :])  # past the first steps' warm-up
 
 
-def kept_checkpoints() -> int:
-    """checkpoint.keep: enough for a rollback to reach ROLLBACK_REACH_SECONDS back."""
-    return math.ceil(ROLLBACK_REACH_SECONDS / CHECKPOINT_SECONDS) + 2
+def kept_checkpoints(operator_delay: float) -> int:
+    """checkpoint.keep: enough for a rollback to reach ROLLBACK_REACH_SECONDS back from when the operator acts."""
+    return math.ceil((ROLLBACK_REACH_SECONDS + operator_delay) / CHECKPOINT_SECONDS) + 2
 
 
 def cadence(step_seconds: float) -> tuple[int, int]:
@@ -284,7 +285,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_steps = max(end, last.until_step) + TAIL_STEPS  # the trainer validates at its last step too
         # The learning rate decays over the whole run (test.yaml's 200 steps would leave it at its floor for hours,
         # where an action on it changes nothing).
-        trainer_settings = (f"checkpoint.every_steps={checkpoint_every}", f"checkpoint.keep={kept_checkpoints()}",
+        kept = kept_checkpoints(args.operator_delay)
+        trainer_settings = (f"checkpoint.every_steps={checkpoint_every}", f"checkpoint.keep={kept}",
                             f"run.val_every={val_every}", f"optim.decay_steps={max_steps}")  # fmt: skip
         print(
             f"campaign: {max_steps} steps; rule settings {', '.join(extra_rules) or 'shipped'}; "
