@@ -53,12 +53,34 @@ def test_a_firing_stretch_far_from_any_fault_is_a_false_alarm_and_the_exit_statu
     assert main([str(log), "--rules", str(RULES)]) == 1
 
 
-def test_a_restart_is_a_gap_in_the_scrapes_not_the_last_loss_held(tmp_path: Path) -> None:
-    records = [{"type": "train", "step": 1, "loss": 1.0, "time": 100.2}, {"type": "train", "step": 2, "loss": 3.0,
-               "time": 120.5}]  # fmt: skip
-    start, values = scrapes(records)
-    assert start == 101.0
-    assert values[:5] == [1.0] * 5 and values[5:20] == [None] * 15 and len(values) == 20
+def test_a_restart_is_a_gap_in_the_scrapes_and_a_hang_holds_the_last_steps_values(tmp_path: Path) -> None:
+    records = [
+        {"type": "start", "time": 100.0},
+        {"type": "train", "step": 1, "loss": 1.0, "time": 100.2},
+        {"type": "train", "step": 2, "loss": 2.0, "time": 110.5},  # then hung
+        {"type": "start", "time": 120.0},  # the restarted process (its target was down since the last step)
+        {"type": "train", "step": 2, "loss": 3.0, "time": 125.0},
+    ]
+    start, losses, steps = scrapes(records)
+    assert start == 101.0 and len(losses) == len(steps) == 25
+    assert losses[:9] == [1.0] * 9 and [round(x, 6) for x in steps[:9]] == [-0.8] * 9  # 101..109 s: step 1's values
+    assert losses[10:19] == [2.0] * 9 and steps[10] == 9.5  # 111..119 s: the hung step's values, held
+    assert losses[19:24] == [None] * 5 and steps[19:24] == [None] * 5  # 120..124 s: restarting
+    assert losses[24] == 3.0
+
+
+def test_a_hung_run_whose_last_loss_was_high_fires_nothing(tmp_path: Path) -> None:
+    before = _noisy(2.0)
+    records = [{"type": "start", "time": 1000.0}]
+    records += [{"type": "train", "step": i + 1, "loss": before(i / 10), "time": 1000.0 + i / 10} for i in range(6000)]
+    records.append({"type": "train", "step": 6001, "loss": 20.0, "time": 1600.0})  # its last batch, then hung
+    records.append({"type": "start", "time": 1900.0})
+    records += [
+        {"type": "train", "step": 6001 + i, "loss": before(i / 10), "time": 1905.0 + i / 10} for i in range(1200)
+    ]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay(log, RULES).firing == []
 
 
 def test_a_log_without_steps_and_a_missing_rules_directory_fail_in_one_line(tmp_path: Path, capsys) -> None:
@@ -67,4 +89,4 @@ def test_a_log_without_steps_and_a_missing_rules_directory_fail_in_one_line(tmp_
     assert main([str(empty), "--rules", str(RULES)]) == 2
     assert capsys.readouterr().err.strip() == f"replay: error: {empty}: no training steps in the log"
     assert main([str(empty), "--rules", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"replay: error: {tmp_path / 'training.yml'} does not exist"
+    assert capsys.readouterr().err.strip() == f"replay: error: {tmp_path / 'hangs.yml'} does not exist"

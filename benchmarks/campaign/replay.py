@@ -2,12 +2,13 @@
 
     python -m benchmarks.campaign.replay WORKDIR/on/log.jsonl [...] [--rules prometheus/rules]
 
-The trainer logs rank 0's loss at every step. Each second (the campaign's scrape and evaluation interval)
-becomes one scrape of `rankscope_loss{split="train"}`, holding the last loss logged by then, or none while no step
-was logged for longer than a few seconds (a restart: the target is down). promtool then evaluates the rules of
-`rules/training.yml` over it at the same interval, and every second at which `RankscopeLossDiverging` was firing
-is read back from its report. The firing stretches are printed against the run's faults: one that begins within
-`--attribution` seconds of a fault names it; any other is a false alarm.
+The trainer logs rank 0's loss at every step. Each second (the campaign's scrape and evaluation interval) becomes
+one scrape of `rankscope_loss{split="train"}` and of `rankscope_last_step_timestamp_seconds`, holding the last
+step's values (through a hang too, as a hung rank serves them), or none from a process's last step to the next
+process's start (a restart: the target is down). promtool then evaluates the rules of `rules/training.yml` (and
+`hangs.yml`, whose records it reads) over it at the same interval, and every second at which
+`RankscopeLossDiverging` was firing is read back from its report. The firing stretches are printed against the
+run's faults: one that begins within `--attribution` seconds of a fault names it; any other is a false alarm.
 
 This is a stand-in for the rank-averaged loss (rank 0's alone) on the rules as generated, not a copy of them:
 what a rule change would have done on runs already made, before a campaign runs it.
@@ -33,8 +34,6 @@ from benchmarks.campaign.runlog import read_records
 __all__ = ["Replay", "firing_seconds", "replay", "scrapes"]
 
 ALERT = "RankscopeLossDiverging"
-#: A scrape finds no step logged for this long: the trainer is restarting, its target down.
-DOWN_AFTER_SECONDS = 5.0
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -57,20 +56,27 @@ class Replay:
         return out
 
 
-def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None]]:
-    """(time of the first scrape, one value a second): the last training loss logged by then, or None (down)."""
+def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None], list[float | None]]:
+    """(time of the first scrape, then one value a second of the loss and of the last step's time, the latter
+    from the first scrape): what rank 0 served. Between two steps, and through a hang, the last step's values
+    (the gauges hold); none from a process's last record to the next process's start record (a restart: its
+    target is down)."""
     train = [(r["time"], r["loss"]) for r in records if r.get("type") == "train"]
     if not train:
         raise ValueError("no training steps in the log")
     times = [t for t, _ in train]
+    starts = sorted(r["time"] for r in records if r.get("type") == "start")
     first = float(int(times[0]) + 1)
-    values: list[float | None] = []
+    losses: list[float | None] = []
+    steps: list[float | None] = []
     t = first
     while t <= times[-1]:
         i = bisect.bisect_right(times, t) - 1
-        values.append(train[i][1] if t - times[i] <= DOWN_AFTER_SECONDS else None)
+        restarted = bisect.bisect_right(starts, t) > bisect.bisect_right(starts, times[i])
+        losses.append(None if restarted else train[i][1])
+        steps.append(None if restarted else times[i] - first)
         t += 1.0
-    return first, values
+    return first, losses, steps
 
 
 def _series_values(values: list[float | None]) -> str:
@@ -114,19 +120,27 @@ def _stretches(seconds: list[int]) -> list[tuple[int, int]]:
 
 def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
     records = read_records(log)
-    start, values = scrapes(records)
+    start, values, last_steps = scrapes(records)
     faults: dict[str, float] = {}
     for r in records:
         if r.get("type") == "fault":
             faults.setdefault(r["name"], r["time"])
-    labels = 'run_id="replay", rank="0", local_rank="0", node="n0", job="rankscope", instance="n0:9400", split="train"'
+    target = 'run_id="replay", rank="0", local_rank="0", node="n0", job="rankscope", instance="n0:9400"'
+    labels = f'{target}, split="train"'
     test = {
-        "rule_files": [str((rules_dir / "training.yml").resolve())],
+        # The hang group records how old the run's last step is, which the alert reads.
+        "rule_files": [str((rules_dir / name).resolve()) for name in ("hangs.yml", "training.yml")],
         "evaluation_interval": "1s",
         "tests": [
             {
                 "interval": "1s",
-                "input_series": [{"series": f"rankscope_loss{{{labels}}}", "values": _series_values(values)}],
+                "input_series": [
+                    {"series": f"rankscope_loss{{{labels}}}", "values": _series_values(values)},
+                    {
+                        "series": f"rankscope_last_step_timestamp_seconds{{{target}}}",
+                        "values": _series_values(last_steps),
+                    },
+                ],
                 "alert_rule_test": [
                     {"alertname": ALERT, "eval_time": f"{s}s", "exp_alerts": []} for s in range(len(values))
                 ],
@@ -155,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     if promtool is None:
         print("replay: error: promtool not found on PATH", file=sys.stderr)
         return 2
-    if not (args.rules / "training.yml").exists():
-        print(f"replay: error: {args.rules / 'training.yml'} does not exist", file=sys.stderr)
-        return 2
+    for name in ("hangs.yml", "training.yml"):
+        if not (args.rules / name).exists():
+            print(f"replay: error: {args.rules / name} does not exist", file=sys.stderr)
+            return 2
     false_alarms = 0
     for log in args.logs:
         try:

@@ -7,6 +7,8 @@ from rankscope.mixin.config import Tunables, effect, sentence
 from rankscope.mixin.promql import (
     GRAD_NORM_MAX,
     GRAD_NORM_NODE_MAX,
+    HANG_THRESHOLD,
+    LAST_STEP_AGE,
     LOSS_BASELINE,
     LOSS_RECENT_LOW,
     LOSS_RECENT_LOW_NODE_COUNT,
@@ -104,7 +106,8 @@ def alerts(t: Tunables) -> list[Alert]:
     return [
         Alert(
             "RankscopeLossDiverging",
-            f"(\n  {LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\n  and {LOSS_BASELINE} > 0\n"
+            # `unless` binds tighter than `or`: the whole condition in parentheses, the staleness guard after.
+            f"(\n(\n  {LOSS_SMOOTHED} > {num(t.divergence_factor)} * {LOSS_BASELINE}\n  and {LOSS_BASELINE} > 0\n"
             f"  and {LOSS_SMOOTHED} - {LOSS_BASELINE} > {num(t.divergence_min_increase)}\n)\n"
             # A leap: the last seconds' lower quartile over the most the smoothed loss reached in the window. The
             # same leap takes the median half its window to show; by then the highest has risen with it and the
@@ -116,7 +119,13 @@ def alerts(t: Tunables) -> list[Alert]:
             f"or\n(\n  (\n    {LOSS_SMOOTHED} > {relapse_line}\n    or\n    {LOSS_RECENT_LOW} > {relapse_line}\n  )\n"
             f"  and {LOSS_WINDOW_HIGH} > {num(t.divergence_relapse_fall)} * {LOSS_WINDOW_LOW}\n"
             f"  and {LOSS_WINDOW_LOW} > 0\n"
-            f"  unless on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_baseline_window}\n)",
+            f"  unless on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_baseline_window}\n)\n)\n"
+            # A run that stopped stepping (a hang, a long checkpoint) serves its last step's loss until it steps
+            # again: scraped over and over, one batch's loss is the whole window. Judged only where no step of the
+            # smoothing window took longer than the run's hang threshold (a hung campaign run's frozen 0.13 was
+            # 650 times its baseline); a run whose steps take minutes has a threshold to match.
+            f"unless on ({RUN})\n"
+            f"max_over_time({LAST_STEP_AGE}[{t.loss_smoothing_window}]) > on ({RUN}) {HANG_THRESHOLD}",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
