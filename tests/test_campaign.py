@@ -154,47 +154,37 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         endpoint.close()
 
 
-def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_incident(tmp_path: Path) -> None:
-    """Posted bare, a rollback takes the incident to be now and restores a checkpoint with the divergence in it."""
+def _rollback_posted(tmp_path: Path, trained: list[tuple[int, float]], **annotations: str) -> dict:
+    """What the operator posts for a divergence page fired at 05:00:00 with `annotations`, after a run log of
+    (step, seconds before it fired)."""
     fired = unix_time("2026-12-04T05:00:00Z")
     log = tmp_path / "log.jsonl"
-    trained = [(100, fired - 300), (200, fired - 250), (300, fired - 200), (150, fired - 100), (400, fired)]
-    log.write_text("".join(json.dumps({"type": "train", "step": s, "time": t}) + "\n" for s, t in trained))
+    log.write_text("".join(json.dumps({"type": "train", "step": s, "time": fired - ago}) + "\n" for s, ago in trained))
     pager, endpoint = WebhookSink(), WebhookSink()
     operator = Operator(pager, Control(endpoint.port, "token"), delay=0.0, run_id="r-off", run_log=log).start()
     try:
-        _page(pager, "RankscopeLossDiverging", "firing", incident_lookback_seconds="240")
-        delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
-        # 240 s before it fired the run was at step 200 (a later rollback's steps 150.. came after).
-        assert delivery.body == {
-            "action": "rollback",
-            "reason": "RankscopeLossDiverging",
-            "params": {"before_step": 200},
-        }
+        _page(pager, "RankscopeLossDiverging", "firing", **annotations)
+        return endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20).body
     finally:
         operator.close()
         pager.close()
         endpoint.close()
+
+
+def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_incident(tmp_path: Path) -> None:
+    """Posted bare, a rollback takes the incident to be now and restores a checkpoint with the divergence in it."""
+    trained = [(100, 300), (200, 250), (300, 200), (150, 100), (400, 0)]
+    body = _rollback_posted(tmp_path, trained, incident_lookback_seconds="240")
+    # 240 s before it fired the run was at step 200 (a later rollback's steps 150.. came after).
+    assert body == {"action": "rollback", "reason": "RankscopeLossDiverging", "params": {"before_step": 200}}
 
 
 def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carries_none(tmp_path: Path) -> None:
     # The loop-off arm's rules carry no action, so the divergence alert has no incident_lookback_seconds: the
     # operator took the incident to begin when the alert fired, 70 s into the divergence, and restored a
     # checkpoint with it in. The runbook says where it began: the shipped rule's lookback (135 s).
-    fired = unix_time("2026-12-04T05:00:00Z")
-    log = tmp_path / "log.jsonl"
-    trained = [(100, fired - 200), (200, fired - 140), (300, fired - 130), (400, fired - 60), (500, fired)]
-    log.write_text("".join(json.dumps({"type": "train", "step": s, "time": t}) + "\n" for s, t in trained))
-    pager, endpoint = WebhookSink(), WebhookSink()
-    operator = Operator(pager, Control(endpoint.port, "token"), delay=0.0, run_id="r-off", run_log=log).start()
-    try:
-        _page(pager, "RankscopeLossDiverging", "firing")
-        delivery = endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20)
-        assert delivery.body["params"] == {"before_step": 200}  # 135 s before it fired
-    finally:
-        operator.close()
-        pager.close()
-        endpoint.close()
+    trained = [(100, 200), (200, 140), (300, 130), (400, 60), (500, 0)]
+    assert _rollback_posted(tmp_path, trained)["params"] == {"before_step": 200}  # 135 s before it fired
 
 
 def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:
