@@ -90,3 +90,6 @@ def test_a_log_without_steps_and_a_missing_rules_directory_fail_in_one_line(tmp_
     assert capsys.readouterr().err.strip() == f"replay: error: {empty}: no training steps in the log"
     assert main([str(empty), "--rules", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"replay: error: {tmp_path / 'hangs.yml'} does not exist"
+    missing = tmp_path / "nowhere.jsonl"
+    assert main([str(missing), "--rules", str(RULES)]) == 2
+    assert capsys.readouterr().err.strip() == f"replay: error: {missing} does not exist"

@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     false_alarms = 0
     for log in args.logs:
+        if not log.is_file():  # read_records would read a missing log as an empty one
+            print(f"replay: error: {log} does not exist", file=sys.stderr)
+            return 2
         try:
             result = replay(log, args.rules, promtool)
         except (OSError, ValueError, RuntimeError) as exc:
