@@ -407,8 +407,10 @@ def test_a_lookback_past_a_resumed_runs_first_step_asks_for_the_oldest_state_it_
     channel.queue.submit([request])
     channel.at_step_boundary(531, loop)
     (sent,) = loop.requests
-    # Not "before step 501", which would leave out the checkpoint the run resumed from: from the start.
+    # Not "before step 501", which would leave out the checkpoint the run resumed from: from the start, and the
+    # moment the lookback reached, for a loop that knows when its checkpoints (also those before it) were written.
     assert (sent.before_step, sent.incident_step, sent.from_start) == (1, 520, True)
+    assert sent.before_time == pytest.approx(at[501] - 60, abs=1e-3)
     assert sent.checkpoint_order([500, 510, 520]) == [500, 510]
 
 

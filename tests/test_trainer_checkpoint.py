@@ -143,6 +143,13 @@ def test_save_keeps_the_newest_k_of_its_lineage_and_records_the_reason_kind(tmp_
     assert value("rankscope_checkpoint_failures_total", {**LABELS, "reason": "no_space"}) == 0
 
 
+def test_every_rank_holds_the_write_time_that_names_the_file_just_written(tmp_path: Path, runtime, monitor) -> None:
+    """The rollback history tells a file from one another branch wrote over it by this (rankscope_trainer.history)."""
+    checkpoints = Checkpointer(tmp_path, keep=2, runtime=runtime, monitor=monitor)
+    path = _save(checkpoints, 10, "interval")
+    assert checkpoints.last_saved_at is not None and read_checkpoint(path)["saved_at"] == checkpoints.last_saved_at
+
+
 def test_a_second_run_in_the_same_directory_prunes_nothing_of_the_first(tmp_path: Path, runtime, monitor) -> None:
     longer = Checkpointer(tmp_path, keep=2, runtime=runtime, monitor=monitor)
     _save(longer, 30)

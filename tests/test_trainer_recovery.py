@@ -40,6 +40,18 @@ class Endpoint:
     def status(self) -> dict:
         return requests.get(f"{self.url}/v1/status", headers=self.headers, timeout=5).json()
 
+    def divergence_alert(self, starts_at: float, lookback_seconds: float, fingerprint: str) -> None:
+        """RankscopeLossDiverging as Alertmanager sends it: fired at `starts_at` (whole seconds, as Alertmanager
+        writes it), its incident up to `lookback_seconds` before."""
+        alert = {"status": "firing", "labels": {"alertname": "RankscopeLossDiverging", "action": "rollback"},
+                 "annotations": {"incident_lookback_seconds": f"{lookback_seconds:.3f}"},
+                 "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(starts_at)),
+                 "endsAt": "0001-01-01T00:00:00Z", "fingerprint": fingerprint}  # fmt: skip
+        body = {"version": "4", "status": "firing", "receiver": "trainer", "groupLabels": {}, "commonLabels": {},
+                "commonAnnotations": {}, "externalURL": "http://127.0.0.1", "alerts": [alert]}  # fmt: skip
+        answer = requests.post(f"{self.url}/v1/alerts", json=body, headers=self.headers, timeout=5)
+        assert answer.status_code == 202, answer.text
+
     def settled(self, action: str) -> list[dict]:
         return [r for r in self.status()["recent"] if r["action"] == action and r["status"] != "pending"]
 
@@ -197,22 +209,71 @@ def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_che
                                 *_control_settings(port, tmp_path / "token")])  # fmt: skip
     endpoint = Endpoint(port)
     job.wait_for(lambda: endpoint.status()["step"] >= 40, "step 40")
-    # The divergence alert as Alertmanager sends it: fired now, its incident up to 3 minutes before, which in a
-    # run this young is before its first step (no checkpoint is older than that).
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    alert = {"status": "firing", "labels": {"alertname": "RankscopeLossDiverging", "action": "rollback"},
-             "annotations": {"incident_lookback_seconds": "180"}, "startsAt": now,
-             "endsAt": "0001-01-01T00:00:00Z", "fingerprint": "young"}  # fmt: skip
-    body = {"version": "4", "status": "firing", "receiver": "trainer", "groupLabels": {}, "commonLabels": {},
-            "commonAnnotations": {}, "externalURL": "http://127.0.0.1", "alerts": [alert]}  # fmt: skip
-    answer = requests.post(f"{endpoint.url}/v1/alerts", json=body, headers=endpoint.headers, timeout=5)
-    assert answer.status_code == 202, answer.text
+    # Fired now, its incident up to 3 minutes before, which in a run this young is before its first step (no
+    # checkpoint is older than that).
+    endpoint.divergence_alert(time.time(), 180, "young")
+    event = _applied_rollback_then_stop(job, endpoint)
+    assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
+
+
+def _applied_rollback_then_stop(job, endpoint: Endpoint) -> dict:
+    """The job's one rollback record, once its rollback settled applied; the job stopped and exited 0 after it."""
     (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
     assert done["status"] == "applied", done
     (event,) = job.records("rollback")
-    assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
     endpoint.post("stop", "scenario over")
     assert job.wait_exit(timeout=120) == 0, job.tail()
+    return event
+
+
+def _restarted_in_poison(trainer_job, free_port, tmp_path: Path):
+    """A preemption (checkpoint, then stop) 5 steps into a poisoned stretch, and the job started again from that
+    checkpoint (`--resume auto`, as a scheduler would): (the first job, the second, its endpoint, the step it resumed
+    at), the second one step past it."""
+    settings = ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=50",
+                f"faults.poison.at_batch={POISON_AT}", f"faults.poison.batches={POISON_BATCHES}",
+                f"control.rollback_margin_batches={MARGIN}"]  # fmt: skip
+    port = free_port()
+    first = trainer_job("before-restart", [*settings, *_control_settings(port, tmp_path / "token")])
+    endpoint = Endpoint(port)
+    first.wait_for(lambda: endpoint.status()["step"] >= POISON_AT + 4, "5 poisoned steps")
+    endpoint.post("stop", "preempted")
+    assert first.wait_exit(timeout=120) == 0, first.tail()
+    resumed_at = first.records("checkpoint")[-1]["step"]
+    assert resumed_at > POISON_AT
+
+    port = free_port()
+    second = trainer_job("after-restart", [*settings, *_control_settings(port, tmp_path / "token")], resume="auto",
+                         checkpoint_dir=first.checkpoint_dir)  # fmt: skip
+    endpoint = Endpoint(port)
+    second.wait_for(lambda: endpoint.status()["step"] > resumed_at, "a step after the restart")
+    return first, second, endpoint, resumed_at
+
+
+@pytest.mark.integration
+def test_a_restarted_run_rolls_back_to_a_checkpoint_its_previous_process_wrote(
+    trainer_job, free_port, tmp_path
+) -> None:
+    first, second, endpoint, _ = _restarted_in_poison(trainer_job, free_port, tmp_path)
+    endpoint.post("rollback", "poisoned shard", before_step=POISON_AT)
+    event = _applied_rollback_then_stop(second, endpoint)
+    written_first = {r["step"]: r["path"] for r in first.records("checkpoint")}
+    assert (event["step"], event["path"]) == (POISON_AT - 1, written_first[POISON_AT - 1])
+
+
+@pytest.mark.integration
+def test_an_alerts_lookback_past_the_restart_loads_the_checkpoint_written_before_its_moment(
+    trainer_job, free_port, tmp_path
+) -> None:
+    """The divergence alert of the restarted process, its lookback reaching into the process before the restart
+    (between its checkpoints of steps 20 and 30): the checkpoint of step 20, not the oldest one nor the one the
+    process resumed from."""
+    first, second, endpoint, _ = _restarted_in_poison(trainer_job, free_port, tmp_path)
+    written = {r["step"]: read_checkpoint(r["path"])["saved_at"] for r in first.records("checkpoint")}
+    now = time.time() // 1
+    endpoint.divergence_alert(now, now - (written[20] + written[30]) / 2, "restarted")
+    event = _applied_rollback_then_stop(second, endpoint)
+    assert event["step"] == 20, event
 
 
 # --- reduce_micro_batch ---------------------------------------------------------------------------

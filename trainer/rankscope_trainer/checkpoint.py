@@ -200,6 +200,8 @@ class Checkpointer:
         """This run's lineage id: new for a fresh start, the checkpoint's own after `load`."""
         self.last_step: int | None = None
         self.last_path: Path | None = None
+        self.last_saved_at: float | None = None
+        """The `saved_at` written into the last checkpoint (every rank holds rank 0's): names that very file."""
         self.failures: list[str] = []
         """One line per failed save, in order (every rank holds the same list)."""
         record_checkpoint_failure(self.monitor, None)  # the counters exist at 0 before any failure
@@ -224,12 +226,13 @@ class Checkpointer:
         # Every rank's RNG state goes into the file, so each rank resumes its own stream.
         rng_states = self.runtime.gather_objects(get_rng_state())
         path = checkpoint_path(self.directory, step, self.lineage)
-        failure = None
+        failure, saved_at = None, None
         if self.runtime.is_main:
             state: dict[str, Any] = {}
             try:
                 state = state_fn()
-                state.update(rng=rng_states, reason=reason, saved_at=time.time(), lineage=self.lineage)
+                saved_at = time.time()
+                state.update(rng=rng_states, reason=reason, saved_at=saved_at, lineage=self.lineage)
                 write_atomically(state, path)
             except Exception as exc:
                 label, description = classify_failure(exc, self.directory, _state_bytes(state))
@@ -237,7 +240,7 @@ class Checkpointer:
             else:
                 self._prune(step, path)
         # Doubles as the barrier: nobody goes on before the file exists (or has failed).
-        failure = self.runtime.broadcast_object(failure)
+        failure, saved_at = self.runtime.broadcast_object((failure, saved_at))
         if failure:
             label, message = failure
             record_checkpoint_failure(self.monitor, label)
@@ -246,7 +249,7 @@ class Checkpointer:
             return None
         seconds = time.perf_counter() - started
         record_checkpoint(self.monitor, reason, seconds)
-        self.last_step, self.last_path = step, path
+        self.last_step, self.last_path, self.last_saved_at = step, path, saved_at
         if self.runtime.is_main:
             logger.info("checkpoint step %d -> %s (%s, %.2fs)", step, path, reason, seconds)
         return path

@@ -49,6 +49,7 @@ from rankscope_trainer.config import TrainConfig
 from rankscope_trainer.data import Batch, DataError, build_data, settle_bad_samples
 from rankscope_trainer.fault_markers import FaultMarkers
 from rankscope_trainer.faults import FaultInjector
+from rankscope_trainer.history import CheckpointHistory
 from rankscope_trainer.logbook import ProgressLog
 from rankscope_trainer.lookahead import BAD_LOSS_FACTOR, bad_stretch_length, batch_loss, clean_loss
 from rankscope_trainer.lost_peer import lost_peer, report_lost_peer
@@ -155,8 +156,8 @@ class Trainer:
         self.skips: list[SkipRecord] = []
         """Data windows that rollbacks skipped, applied again by a run resumed before them
         (`rankscope_trainer.skips`)."""
-        self._timeline: list[tuple[int, Path]] = []
-        """(step, path) of the checkpoints this run's current history passed through: what rollback may load."""
+        self._history = CheckpointHistory(cfg.checkpoint.keep)
+        """The checkpoints this run's current history passed through, also before a restart: what rollback may load."""
         self._losses = LossHistory(LOSS_HISTORY_STEPS)
         """The last steps' losses, where a rollback looks for the start of the excursion it undoes."""
         self._reposition = False
@@ -168,7 +169,7 @@ class Trainer:
         seed_everything(run.seed + 1000 * self.rt.rank)
         if resumed:
             self._restore(*resumed)
-            self._timeline.append((self.step, Path(resumed[0])))
+            self._history.resumed(Path(resumed[0]), resumed[1])
         self.monitor.set("micro_batch_size", self.micro_batch)
         self.channel = self._control_channel()  # collective; from here on SIGTERM means checkpoint-then-stop
         if self.channel is not None and state and state.get("control"):
@@ -429,7 +430,7 @@ class Trainer:
         with self.monitor.phase("checkpoint"):
             path = self.checkpoints.save(self.step, self.faults.slow_checkpoint(self.step, self.state_dict), reason)
         if path is not None:
-            self._timeline.append((self.step, path))
+            self._history.add(self.step, path, self.checkpoints.last_saved_at)
             self.log.event("checkpoint", step=self.step, reason=reason, path=str(path))
         else:
             self.log.event("checkpoint_failed", step=self.step, reason=reason, error=self.checkpoints.failures[-1])
@@ -448,6 +449,7 @@ class Trainer:
             "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation,
             "skips": [record.to_json() for record in self.skips],
+            "history": self._history.to_state(),
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -531,7 +533,7 @@ class Trainer:
         left_batch = self.data_batch
         self._restore(path, state, event="rollback", action_reason=request.reason, rolled_back_from=left,
                       loss_rose_at=onset)  # fmt: skip
-        self._timeline = [(s, p) for s, p in self._timeline if s <= step]
+        self._history.truncate(step)
         self._losses.clear()  # the steps after the checkpoint are trained again
         window = request.window(step, trained_batches=left_batch - self.data_batch)
         # An operator's explicit skip_batches is taken as given; the default window is extended over the bad
@@ -625,33 +627,43 @@ class Trainer:
         if start is None:
             return found, None
         onset = steps[first + start]
-        paths = dict(self._timeline)
+        paths = self._history.paths()
         for step in sorted((s for s in paths if bound < s < onset), reverse=True):
-            try:
-                state = read_checkpoint(paths[step])
-            except CheckpointError as exc:
-                logger.warning("%s; rollback tries an older one", exc)
-                continue
-            if not rate_raised(state, found[2]):
+            state = self._read_passed(step, paths[step])
+            if state is not None and not rate_raised(state, found[2]):
                 return (step, paths[step], state), onset
         return found, onset
 
     def _rollback_source(self, request: RollbackRequest) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
         """(step, path, state) of the first readable checkpoint of this run's history in the request's order (the
-        newest before its step; `RollbackRequest.checkpoint_order`), or (None, why not)."""
-        paths = dict(self._timeline)
-        for step in request.checkpoint_order(paths):
-            path = paths[step]
-            if not path.is_file():
-                continue
-            try:
-                return (step, path, read_checkpoint(path)), ""
-            except CheckpointError as exc:
-                logger.warning("%s; rollback tries another", exc)
-        known = ", ".join(str(s) for s, _ in self._timeline) or "none"
+        newest before its step, `RollbackRequest.checkpoint_order`; where its lookback reaches past this process's
+        first step, the newest written before that moment, also by the process before a restart), or (None, why
+        not)."""
+        paths = self._history.paths()
+        order = request.checkpoint_order(paths)
+        if request.from_start and request.before_time is not None:  # the newest written before the lookback's moment
+            earlier = self._history.written_before(request.before_time, request.checkpoint_bound)
+            order = earlier + [step for step in order if step not in earlier]
+        for step in order:
+            if paths[step].is_file() and (state := self._read_passed(step, paths[step])) is not None:
+                return (step, paths[step], state), ""
+        known = ", ".join(str(s) for s in self._history.steps()) or "none"
         where = self.checkpoints.directory
         bound = request.checkpoint_bound
         return None, f"no readable checkpoint of this run before step {bound} in {where} (history: {known})"
+
+    def _read_passed(self, step: int, path: Path) -> dict[str, Any] | None:
+        """The checkpoint the history passed at `step`, or None (logged) if it is unreadable or another branch of the
+        run wrote over it since."""
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as exc:
+            logger.warning("%s; rollback tries another", exc)
+            return None
+        if not self._history.holds(step, state):
+            logger.warning("checkpoint %s was written over by another branch of this run; rollback tries another", path)
+            return None
+        return state
 
     def _skip_due(self) -> SkipRecord | None:
         """The recorded window that starts at the run's step and data position now, if any."""

@@ -529,16 +529,19 @@ class ControlChannel:
         incident_lookback_seconds moves where to go back to that much earlier (a smoothed signal fires its `for`
         and up to a window after the fault), not the incident: the data skipped still runs through it, plus the
         margin."""
-        before = None
+        before, before_time = None, None
         if params.get("before_step") is not None:
             incident = int(params["before_step"])
         elif record.started_at is not None:
             incident = self._step_at(record.started_at, step)
             if params.get("incident_lookback_seconds"):
                 moment = record.started_at - float(params["incident_lookback_seconds"])
-                # Past this process's first step nothing it trained from is older: "before step 1", and the loop
-                # takes the oldest state it has (RollbackRequest.from_start), a resumed run's checkpoint included.
-                before = 1 if self._before_first_boundary(moment) else self._step_at(moment, step)
+                # Past this process's first step no step of it is older: "before step 1" and the moment itself; the
+                # loop takes the newest checkpoint written before it, or its oldest (RollbackRequest.from_start).
+                if self._before_first_boundary(moment):
+                    before, before_time = 1, moment
+                else:
+                    before = self._step_at(moment, step)
         else:
             incident = step
         skip = params.get("skip_batches")
@@ -551,6 +554,7 @@ class ControlChannel:
             reason=record.reason,
             lookahead_batches=self.config.rollback_lookahead_batches,
             onset_window_steps=self.config.rollback_onset_window_steps,
+            before_time=before_time,
         )
 
     def _before_first_boundary(self, moment: float) -> bool:

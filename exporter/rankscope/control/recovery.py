@@ -6,7 +6,8 @@ methods; one that does not gets the outcome "unsupported", and nothing changes:
     def rollback(self, request: RollbackRequest) -> RollbackDone: ...
         # load the first readable checkpoint of request.checkpoint_order(its steps) (every rank the same one):
         # the newest written before request.before_step (a loop that keeps its step losses may take a
-        # newer one written before they left their level: request.onset_window_steps),
+        # newer one written before they left their level: request.onset_window_steps; one that knows when
+        # its checkpoints were written, the newest written before request.before_time where that is set),
         # skip request.window(checkpoint step, batches trained since it) batches of data after it (and,
         # if it can read ahead, up to request.lookahead_batches more that the restored model finds bad),
         # multiply the learning rates by
@@ -55,6 +56,10 @@ class RollbackRequest:
     onset_window_steps: int = 0
     """A loop that keeps its step losses may load a newer checkpoint, written before the loss left its level
     (the median of this many steps' losses; 0: the newest before `before_step`, as `checkpoint_order` says)."""
+    before_time: float | None = None
+    """Set with `from_start` (the lookback reaches past this process's first step): the Unix time it reaches. A
+    loop that knows when its checkpoints were written, also before a restart, loads the newest written before
+    it (`checkpoint_order`'s oldest-first order is for a loop that does not)."""
 
     def window(self, checkpoint_step: int, trained_batches: int = 0) -> int:
         """How many batches to skip after a checkpoint at `checkpoint_step`, given the `trained_batches` the run
