@@ -48,6 +48,7 @@ from rankscope_trainer.runtime import Runtime, get_rng_state
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_NAME",
     "CheckpointError",
     "CheckpointFile",
     "Checkpointer",
@@ -61,7 +62,8 @@ logger = logging.getLogger("rankscope_trainer")
 
 CHECKPOINT_FORMAT = 1
 _REQUIRED = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer", "scheduler", "rng", "tokenizer")
-_NAME = re.compile(r"^step_(\d{8,})(?:-([0-9a-f]{8}))?\.pt$")
+#: A checkpoint's final file name: its step, then its lineage (none in the older names).
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})(?:-([0-9a-f]{8}))?\.pt$")
 _LINEAGE = re.compile(r"^[0-9a-f]{8}$")
 
 
@@ -96,7 +98,7 @@ def checkpoint_files(directory: str | Path) -> list[CheckpointFile]:
         return []
     found = []
     for path in directory.iterdir():
-        match = _NAME.match(path.name)
+        match = CHECKPOINT_NAME.match(path.name)
         if match is None:
             continue
         try:

@@ -11,17 +11,15 @@ is passed over.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rankscope_trainer.checkpoint import CHECKPOINT_NAME
+
 __all__ = ["CheckpointHistory", "PassedCheckpoint"]
 
 logger = logging.getLogger("rankscope_trainer")
-
-#: A checkpoint's own file name: the history names files in the checkpoint directory, nothing else.
-_NAME = re.compile(r"^step_(\d{8,})(?:-[0-9a-f]{8})?\.pt$")
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,8 @@ def _recorded_line(path: Path, resumed_step: int, recorded: Any) -> list[tuple[i
     try:
         for item in recorded:
             step, name, saved_at = item["step"], item["name"], item.get("saved_at")
-            named = _NAME.match(name) if isinstance(name, str) else None
+            # A checkpoint's own file name, resolved beside the checkpoint resumed from: never a path elsewhere.
+            named = CHECKPOINT_NAME.match(name) if isinstance(name, str) else None
             well_formed = (
                 isinstance(step, int) and not isinstance(step, bool) and named is not None
                 and int(named.group(1)) == step < resumed_step
