@@ -95,7 +95,12 @@ def test_a_setting_reaches_every_output(tmp_path: Path):
 
 @pytest.mark.parametrize(
     ("setting", "named"),
-    [("imbalance_ratio=abc", "imbalance_ratio"), ("no_such_knob=1", "no_such_knob"), ("runbook_url=x", "runbook_url")],
+    [
+        ("imbalance_ratio=abc", "imbalance_ratio"),
+        ("no_such_knob=1", "no_such_knob"),
+        ("runbook_url=x", "runbook_url"),
+        ("slow_interval=half a minute", "slow_interval"),
+    ],
 )
 def test_a_bad_setting_fails_in_one_line_naming_the_tunable(tmp_path: Path, setting: str, named: str):
     result = mixin("--set", setting, "--out", str(tmp_path), cwd=tmp_path)

@@ -24,6 +24,18 @@ from tests.support import REPO, binary
 TUNINGS = [Tunables(), Tunables(rate_window="5s", imbalance_for="5s", nonfinite_for="0s", hang_action="")]
 
 
+def _freshened(t: Tunables) -> dict[str, str]:
+    """The global server reads a transient shard record's fresh samples only (rankscope.mixin.layout.fresh): within
+    two of its group's evaluations and one federation scrape (5 s). The performance group runs every 30 s where
+    its alerts' `for`s allow it (the shipped ones do), every other group every 5 s."""
+    performance = 30 if t.imbalance_for == "10m" else 5
+    return {
+        name: fresh(name, 2 * (performance if area.name == "performance" else 5) + 5)
+        for area in rules.areas(t)
+        for name in area.transient + area.shard_evaluated
+    }
+
+
 def _rules(groups: dict) -> list[dict]:
     return [rule for group in groups.values() for rule in group["rules"]]
 
@@ -39,8 +51,7 @@ def test_every_alert_lands_on_the_global_server_as_on_one_server(t: Tunables) ->
     assert not [rule for rule in _rules(layout.shard_groups) if "alert" in rule]
     single = {rule["alert"]: rule for area in rules.areas(t) for rule in area.rules(t) if "alert" in rule}
     inline = rules.shard_expressions(t)
-    # The global server reads a transient shard record's fresh samples only (rankscope.mixin.layout.fresh).
-    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient + area.shard_evaluated}
+    freshened = _freshened(t)
     for alert in rules.alerts(t):
         written = alert.to_rule(t)
         assert on_global[alert.name] == {**written, "expr": rules.inlined(written["expr"], freshened)}
@@ -64,7 +75,7 @@ def test_every_recording_rule_lands_on_exactly_one_server_unchanged_in_the_same_
     # As written, but for two things: a shard reads its own view of a run-level record under the view's name, and
     # the global server reads a transient shard record's fresh samples only.
     views = {name: view_name(name) for area in rules.areas(t) for name in area.shard_views}
-    freshened = {name: fresh(name, 15) for area in rules.areas(t) for name in area.transient + area.shard_evaluated}
+    freshened = _freshened(t)
     on_shard = {record for groups in (layout.shard_groups,) for group in groups.values() for record in
                 (rule["record"] for rule in group["rules"])}  # fmt: skip
     expected = []
@@ -302,3 +313,36 @@ def test_promtool_accepts_every_generated_config_and_rule_file_of_both_layouts()
         [binary("promtool"), "check", "rules", *map(str, rule_files)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _intervals(groups: list[dict]) -> dict[str, str]:
+    return {group["name"].removeprefix("rankscope."): group.get("interval", "") for group in groups}
+
+
+@pytest.mark.parametrize(
+    ("settings", "performance", "others"),
+    [
+        ({}, "30s", ""),  # shipped: every performance alert waits 10 minutes or more
+        ({"slow_interval": "15s"}, "15s", ""),
+        ({"slow_interval": ""}, "", ""),
+        ({"imbalance_for": "5m"}, "30s", ""),  # exactly ten times the slow interval
+        ({"imbalance_for": "4m"}, "", ""),  # less: the straggler page would wait more than a tenth of its `for`
+        ({"evaluation_interval": "10s"}, "30s", "10s"),
+        ({"evaluation_interval": "1m"}, "1m", "1m"),  # never faster than every other group
+    ],
+)
+def test_the_performance_group_is_evaluated_every_slow_interval_where_each_of_its_alerts_waits_ten_times_as_long(
+    settings: dict[str, str], performance: str, others: str
+) -> None:
+    t = Tunables(**settings)
+    single = _intervals(rules.groups(t))
+    layout = split(t)
+    for intervals in (
+        single,
+        _intervals(list(layout.shard_groups.values())),
+        _intervals(list(layout.global_groups.values())),
+    ):
+        assert intervals.pop("performance") == performance
+        assert set(intervals.values()) == {others}
+    committed = yaml.safe_load((REPO / "prometheus" / "rules" / "performance.yml").read_text())["groups"][0]
+    assert committed["interval"] == "30s"

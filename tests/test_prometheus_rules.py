@@ -296,7 +296,7 @@ README = PROM / "README.md"
 #: Tunables no alert section needs to quote: the rate window of every rule, the URL, the group interval, the
 #: device-memory kind (quoted as a label matcher), the severities (each section's "Severity `...`") and the
 #: actions (each section's "action `...`", checked against the rule's label).
-UNQUOTED = {"rate_window", "runbook_url", "evaluation_interval", "device_memory_kind"} | {
+UNQUOTED = {"rate_window", "runbook_url", "evaluation_interval", "slow_interval", "device_memory_kind"} | {
     f.name for f in fields(Tunables) if f.name.endswith(("_severity", "_action"))
 }
 _AMOUNT = re.compile(r"(?<![\w.`])(\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s*(%|ms|s|m|h|x)?(?![\w`])")

@@ -347,6 +347,14 @@ class Tunables:
     """Every alert's runbook_url: ``{alert}`` stands for the lower-cased alert name (the runbook's anchor)."""
     evaluation_interval: str = ""
     """Rule-group evaluation interval; empty uses Prometheus's global evaluation_interval."""
+    slow_interval: str = "30s"
+    """Evaluation interval of the slow areas' groups (``rankscope.performance``: throughput, step-time quantiles,
+    the straggler, data-loader, communication and slow-step alerts). Their rates span 2 minutes and their alerts
+    wait 10 minutes or more, so evaluating them every 30 s instead of every 5 s changes their values little and
+    delays their alerts by at most a twentieth of their `for`, while at 4096 ranks the group costs half of all the
+    rules' time (benchmarks.scale). Applied only while every alert of those groups waits at least ten times as long
+    (rules tuned to fire within seconds evaluate them like every other group), and never shorter than
+    `evaluation_interval`. Empty: every group at the same interval."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -355,10 +363,9 @@ class Tunables:
                 raise ValueError(f"{f.name} must be a Prometheus duration such as 30s or 5m, got {value!r}")
         if "{alert}" not in self.runbook_url:
             raise ValueError(f"runbook_url must contain {{alert}} (the alert's anchor), got {self.runbook_url!r}")
-        if self.evaluation_interval and not _DURATION.match(self.evaluation_interval):
-            raise ValueError(
-                f"evaluation_interval must be empty or a duration such as 15s, got {self.evaluation_interval!r}"
-            )
+        for name in ("evaluation_interval", "slow_interval"):
+            if getattr(self, name) and not _DURATION.match(getattr(self, name)):
+                raise ValueError(f"{name} must be empty or a duration such as 15s, got {getattr(self, name)!r}")
         for name in ("host_memory_ratio", "device_memory_ratio", "data_wait_share", "comm_share",
                      "loss_scale_overflow_share", "loss_plateau_improvement", "divergence_relapse_share",
                      "val_loss_plateau_improvement"):  # fmt: skip

@@ -53,7 +53,7 @@ from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import recorded_names
-from rankscope.mixin.rules import areas, inlined
+from rankscope.mixin.rules import Area, areas, inlined
 
 __all__ = [
     "Selector",
@@ -236,10 +236,10 @@ class ShardedLayout:
         return {rule["record"] for group in self.shard_groups.values() for rule in group["rules"]}
 
 
-def _group(area_group: str, rules: list[dict[str, Any]], t: Tunables) -> dict[str, Any]:
-    group: dict[str, Any] = {"name": area_group}
-    if t.evaluation_interval:
-        group["interval"] = t.evaluation_interval
+def _group(area: Area, rules: list[dict[str, Any]], t: Tunables) -> dict[str, Any]:
+    group: dict[str, Any] = {"name": area.group}
+    if interval := area.interval(t):
+        group["interval"] = interval
     group["rules"] = rules
     return group
 
@@ -275,7 +275,6 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
     on_shard: set[str] = set()
     every = areas(t)
     views = {name: view_name(name) for area in every for name in area.shard_views}
-    transient = {name for area in every for name in area.transient}
     shard_evaluated = {name for area in every for name in area.shard_evaluated}
 
     def shard_can(rule: dict[str, Any], gated: bool = False) -> bool:
@@ -336,13 +335,17 @@ def split(t: Tunables, interval: str = DEFAULT_INTERVAL) -> ShardedLayout:
                 on_global.add(rule["record"])
         global_rules += [alert.to_rule(t) for alert in area.alerts(t)]
         if shard_rules:
-            shard_groups[area.file_name] = _group(area.group, shard_rules, t)
+            shard_groups[area.file_name] = _group(area, shard_rules, t)
         if global_rules:
-            global_groups[area.file_name] = _group(area.group, global_rules, t)
-    # The global server reads a transient shard record's fresh samples only: within two intervals (one for the
-    # shard's evaluation, one for the federation's scrape) and one to spare.
-    window = 3 * duration_seconds(t.evaluation_interval or interval)
-    freshened = {name: fresh(name, window) for name in transient | shard_evaluated}
+            global_groups[area.file_name] = _group(area, global_rules, t)
+    # The global server reads a transient shard record's fresh samples only: within its group's interval (the
+    # shard's evaluation), one interval of the federation's scrape, and its group's interval to spare.
+    scrape = duration_seconds(interval)
+    freshened = {
+        name: fresh(name, 2 * duration_seconds(area.interval(t) or interval) + scrape)
+        for area in every
+        for name in (*area.transient, *area.shard_evaluated)
+    }
     for group in global_groups.values():
         group["rules"] = [{**rule, "expr": inlined(rule["expr"], freshened)} for rule in group["rules"]]
     read_on_global = {s for group in global_groups.values() for rule in group["rules"] for s in selectors(rule["expr"])}

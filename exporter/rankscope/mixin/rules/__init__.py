@@ -18,6 +18,8 @@ tested by ``prometheus/tests/training_test.yml``) defines two functions of the c
   server reads only their fresh samples;
 - optionally ``SHARD_EVALUATED``: its records that each shard evaluates over its own ranks although they match
   ranks across nodes (rankscope.mixin.layout says what that changes);
+- optionally ``SLOW = True``: its group is evaluated every ``slow_interval`` (its rates span minutes and its alerts
+  wait ten minutes or more: see :attr:`~rankscope.mixin.config.Tunables.slow_interval`);
 - optionally ``sharded_forms(t) -> dict[str, str]``: records the sharded layout builds another way (a run's mean
   from its nodes' sums and counts, where one server takes the mean in one read): record name -> expression;
   and ``global_records(t) -> list[dict]``: records only the sharded layout's global server records, for those
@@ -47,6 +49,7 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
+from rankscope.hang_threshold import duration_seconds
 from rankscope.mixin import _yaml
 from rankscope.mixin.config import Tunables
 from rankscope.mixin.promql import RUN, RUN_ENDED, recorded_names
@@ -118,6 +121,25 @@ class Area:
     def shard_records(self, t: Tunables) -> list[dict[str, str]]:
         """The recording rules only the sharded layout's shards evaluate (read only scraped series)."""
         return list(getattr(self.module, "shard_records", lambda _: [])(t))
+
+    @property
+    def slow(self) -> bool:
+        """Whether its group is evaluated every `slow_interval`."""
+        return bool(getattr(self.module, "SLOW", False))
+
+    def interval(self, t: Tunables) -> str:
+        """Its group's `interval` ("": the server's evaluation interval). A slow area takes `slow_interval` only
+        while each of its alerts waits at least ten times as long (rules tuned to fire in seconds evaluate it like
+        every other group: the slow interval may save CPU, never delay an alert by more than a tenth of its
+        `for`), and never one shorter than `evaluation_interval`."""
+        if not (self.slow and t.slow_interval):
+            return t.evaluation_interval
+        slow = duration_seconds(t.slow_interval)
+        if any(10 * slow > duration_seconds(alert.for_) for alert in self.alerts(t)):
+            return t.evaluation_interval
+        if t.evaluation_interval and duration_seconds(t.evaluation_interval) > slow:
+            return t.evaluation_interval
+        return t.slow_interval
 
     @property
     def shard_views(self) -> tuple[str, ...]:
@@ -228,8 +250,8 @@ def groups(t: Tunables) -> list[dict[str, Any]]:
     found = []
     for area in areas(t):
         group: dict[str, Any] = {"name": area.group}
-        if t.evaluation_interval:
-            group["interval"] = t.evaluation_interval
+        if interval := area.interval(t):
+            group["interval"] = interval
         group["rules"] = area.rules(t)
         found.append(group)
     return found

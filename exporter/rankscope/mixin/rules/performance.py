@@ -42,6 +42,10 @@ from rankscope.mixin.promql import (
 )
 from rankscope.mixin.rules import RANK_TEXT, Alert
 
+#: Evaluated every `slow_interval`: every value here is a rate over `rate_window` (2 minutes) and every alert waits
+#: 10 minutes or more, while at 4096 ranks this group costs as much as all the others together.
+SLOW = True
+
 
 def records(t: Tunables) -> list[dict[str, str]]:
     """Rates of the scraped series, each computed once (level 1), and what is built from them.
