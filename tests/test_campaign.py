@@ -270,6 +270,16 @@ def test_the_checkpoints_kept_reach_back_past_the_operators_delay_too() -> None:
     assert (kept_checkpoints(300.0) - 1) * CHECKPOINT_SECONDS >= 300 + 4 * 60
 
 
+def test_the_checkpoints_kept_reach_back_as_far_on_a_machine_twice_as_fast_as_the_calibration() -> None:
+    # A checkpoint is written every so many steps, sized from the calibrated step time; the operator's lookback is
+    # in seconds. This machine's steps took 41 ms in one session and 22-25 ms in another, with the plan calibrated
+    # at 41: the 42 checkpoints kept then reached 350 s back, and the loop-off arm's rollback of the divergence,
+    # asked 390 s back, was refused with checkpoints from before the divergence on disk (campaign 286bd9e).
+    from benchmarks.campaign.__main__ import CHECKPOINT_SECONDS, kept_checkpoints
+
+    assert (kept_checkpoints(300.0) - 1) * CHECKPOINT_SECONDS / 2 >= 300 + 4 * 60
+
+
 def test_resume_needs_the_campaigns_own_folder_and_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A campaign spans several sessions only by going on with the same calibration and schedule: another
     folder, or other faults, seed or delay, would mix arms of two campaigns in one table."""

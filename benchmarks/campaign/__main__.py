@@ -51,6 +51,10 @@ VALIDATION_SECONDS = 30.0
 #: fired; plus a margin for the slower detection the schedule allows (`detect_seconds`). Every arm keeps as many:
 #: the loop-off arm's operator asks for the same checkpoint the loop would have, his delay later.
 ROLLBACK_REACH_SECONDS = 300.0
+#: Checkpoints are written every so many steps, sized from the calibrated step time, and a rollback's reach is in
+#: seconds: keep enough for steps this many times faster than the calibration (this machine's step time went from
+#: 41 ms in one session to 22-25 ms in another, on one plan).
+STEP_SPEED_MARGIN = 2.0
 #: The calibration and what the schedule was built from, written at the start: `--resume` goes on from it.
 PLAN_FILE = "plan.json"
 #: Steps after the last fault's span, so the run ends on training, not on an incident.
@@ -79,8 +83,9 @@ def _calibrate(workdir: Path, settings: tuple[str, ...]) -> float:
 
 
 def kept_checkpoints(operator_delay: float) -> int:
-    """checkpoint.keep: enough for a rollback to reach ROLLBACK_REACH_SECONDS back from when the operator acts."""
-    return math.ceil((ROLLBACK_REACH_SECONDS + operator_delay) / CHECKPOINT_SECONDS) + 2
+    """checkpoint.keep: enough for a rollback to reach ROLLBACK_REACH_SECONDS back from when the operator acts, on
+    a machine up to STEP_SPEED_MARGIN times faster than the calibration."""
+    return math.ceil(STEP_SPEED_MARGIN * (ROLLBACK_REACH_SECONDS + operator_delay) / CHECKPOINT_SECONDS) + 2
 
 
 def cadence(step_seconds: float) -> tuple[int, int]:
