@@ -13,6 +13,7 @@ from rankscope.mixin.promql import (
     VAL_LOSS,
     VAL_LOSS_NODE_COUNT,
     VAL_LOSS_NODE_SUM,
+    applied,
     metric_name,
     num,
     percent,
@@ -51,10 +52,14 @@ def alerts(t: Tunables) -> list[Alert]:
         Alert(
             "RankscopeLossPlateau",
             # Stepping now (a paused or stalled run has its own alerts), and reporting loss a whole window ago:
-            # a fresh run's first minutes, whose slope rests on a few points, never count as a plateau.
+            # a fresh run's first minutes, whose slope rests on a few points, never count as a plateau. Not over
+            # a window a rollback cut into: it holds the climb the rollback undid and the restored checkpoint's
+            # loss, two branches of the run, whose slope says nothing about progress (a loop-off campaign arm
+            # read a poisoned climb and its rollback as a plateau).
             f"{LOSS_CHANGE} > -{num(t.loss_plateau_improvement)}\n"
             f"and on ({RUN}) {STEPS_RATE} > 0\n"
-            f"and on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_change_window}",
+            f"and on ({RUN}) {LOSS_SMOOTHED} offset {t.loss_change_window}\n"
+            f"unless on ({RUN}) {applied('rollback', t.loss_change_window)}",
             t.loss_plateau_for,
             t.loss_plateau_severity,
             "The training loss has stopped improving.",
