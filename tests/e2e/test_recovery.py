@@ -31,6 +31,17 @@ MARGIN = POISON_BATCHES + 10
 #: The e2e rules' loss smoothing window and `for` (tests/e2e/harness.py): the rollback goes back that much before
 #: startsAt (the time the alert fired).
 LOOKBACK_SECONDS = 5.0 + 1.0
+#: The run pauses from about this step until the rules' loss baseline (the median of the smoothed loss over
+#: loss_baseline_window) is the trained loss. Without it the poison came 3 s into training, its baseline still
+#: the first seconds' fall: whether twice that stayed under the collapsed loss (and so whether the alert fired)
+#: hung on which batches the first scrapes caught, and one CI run's alert came only 137 s later.
+PAUSE_FROM = 60
+#: The baseline is the paused run's loss: its smoothed loss has held one value for the smoothing window, and the
+#: baseline's median is that value (most of the window's evaluations were paused).
+BASELINE_SETTLED = (
+    "abs(run:rankscope_loss:window_median - run:rankscope_loss:smoothed) < 0.01"
+    " and max_over_time(run:rankscope_loss:smoothed[5s]) == min_over_time(run:rankscope_loss:smoothed[5s])"
+)
 
 
 def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack, trainer_job, tmp_path) -> None:
@@ -41,6 +52,10 @@ def test_poisoned_data_fires_divergence_and_every_rank_rolls_back_past_it(stack,
         ["checkpoint.every_steps=10", "checkpoint.keep=50", *poison, f"control.rollback_margin_batches={MARGIN}"],
         max_steps=UNTIL_STOPPED,
     )  # fmt: skip
+    st.wait_for_step(PAUSE_FROM)
+    with st.paused("let the loss baseline settle on the trained loss before the poison") as step:
+        assert step < POISON_AT, "the run reached the poison before it paused"
+        st.wait(lambda: st.query(BASELINE_SETTLED), "the loss baseline at the trained loss", timeout=90)
     st.wait_for_firing("RankscopeLossDiverging", timeout=240)
     (applied,) = st.wait(lambda: st.settled("rollback"), "the rollback to be applied", timeout=60)
     assert (applied["source"], applied["reason"]) == ("alert", "alert:RankscopeLossDiverging"), applied
