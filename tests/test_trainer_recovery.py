@@ -216,6 +216,51 @@ def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_che
     assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
 
 
+@pytest.mark.integration
+def test_a_rollback_past_every_kept_checkpoint_loads_the_newest_before_the_loss_rose_when_the_losses_show_it(
+    trainer_job, free_port, tmp_path
+) -> None:
+    # Checkpoints every 10 steps, the last 12 kept: when the operator answers 20 steps into the poisoned stretch
+    # (from step 201), the oldest kept is about 110 steps back, and he asks for one before step 51, long pruned.
+    # The run's step losses stayed at their level from the oldest kept checkpoint until the stretch: the newest
+    # checkpoint before it (180) is from before the damage, and loading it is the rollback asked for. (Refused,
+    # "no readable checkpoint before step 51", before.)
+    port, at = free_port(), 201
+    job = trainer_job("pruned", ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=12",
+                                 f"faults.poison.at_batch={at}", "faults.poison.batches=200",
+                                 f"control.rollback_margin_batches={MARGIN}",
+                                 *_control_settings(port, tmp_path / "token")])  # fmt: skip
+    endpoint = Endpoint(port)
+    job.wait_for(lambda: endpoint.status()["step"] >= at + 20, "20 poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=51)
+    event = _applied_rollback_then_stop(job, endpoint)
+    kept_before = [r["step"] for r in job.records("checkpoint") if r["step"] < 51]
+    assert kept_before and not any(Path(r["path"]).exists() for r in job.records("checkpoint") if r["step"] < 51)
+    assert event["step"] == at - 21 and event["loss_rose_at"] is not None, event
+    assert event["step"] < event["loss_rose_at"] <= at, event
+    assert "no checkpoint before step 51 is kept; the loss stayed at its level from step" in job.output.read_text()
+
+
+@pytest.mark.integration
+def test_a_rollback_past_every_kept_checkpoint_is_refused_when_the_damage_began_before_the_oldest(
+    trainer_job, free_port, tmp_path
+) -> None:
+    # The stretch began at step 41; the 3 checkpoints kept when the operator answers are all inside it.
+    port, at = free_port(), 41
+    job = trainer_job("pruned-inside", ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=3",
+                                        f"faults.poison.at_batch={at}", "faults.poison.batches=400",
+                                        *_control_settings(port, tmp_path / "token")])  # fmt: skip
+    endpoint = Endpoint(port)
+    job.wait_for(lambda: endpoint.status()["step"] >= at + 100, "100 poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=21)
+    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
+    assert done["status"] == "refused_unavailable", done
+    assert "no readable checkpoint of this run before step 21" in done["detail"], done
+    assert job.records("rollback") == []
+    endpoint.post("stop", "scenario over")
+    assert job.wait_exit(timeout=120) == 0, job.tail()
+
+
 def _applied_rollback_then_stop(job, endpoint: Endpoint) -> dict:
     """The job's one rollback record, once its rollback settled applied; the job stopped and exited 0 after it."""
     (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")

@@ -519,9 +519,11 @@ class Trainer:
         left = self.step
         losses = self._step_losses() if request.onset_window_steps > 0 else None  # collective: every rank
         found, problem = self._rollback_source(request)
-        bound, onset = (found[0] if found else None), None
+        bound, onset, pruned_from = (found[0] if found else None), None, None
         if found is not None and losses is not None:
             found, onset = self._before_onset(found, *losses, request.onset_window_steps)
+        elif losses is not None:
+            found, onset, pruned_from = self._past_every_kept(*losses, request.onset_window_steps)
         choices = self.rt.gather_objects((str(found[1]) if found else None, problem))
         if found is None or len({path for path, _ in choices}) != 1:
             if len(set(choices)) == 1:
@@ -550,7 +552,10 @@ class Trainer:
         self._reposition = True
         where = f"epoch {record.epoch} sample {record.sample}"
         detail = f"from step {left}; data from {where} skipped"
-        if onset is not None and step != bound:
+        if pruned_from is not None:
+            detail += (f" (no checkpoint before step {request.checkpoint_bound} is kept; the loss stayed at its level"
+                       f" from step {pruned_from} until after step {onset})")  # fmt: skip
+        elif onset is not None and step != bound:
             detail += f" (the loss left its level after step {onset}: a newer checkpoint than step {bound})"
         if ahead:
             detail += f" ({ahead} of the batches after the window looked bad to the restored model)"
@@ -633,6 +638,25 @@ class Trainer:
             if state is not None and not rate_raised(state, found[2]):
                 return (step, paths[step], state), onset
         return found, onset
+
+    def _past_every_kept(
+        self, steps: list[int], losses: list[float], window: int
+    ) -> tuple[tuple[int, Path, dict[str, Any]] | None, int | None, int | None]:
+        """Where every checkpoint before the request's bound was pruned: the oldest readable checkpoint the step
+        losses reach back to stands in for the bound when the losses after it stayed at their level until an
+        excursion that lasts to now; then (`_before_onset`'s choice from it, the excursion's start, its step).
+        (None, None, None) otherwise: damage that began before it, or losses that do not reach it, leave the
+        refusal as it was. An operator's answer minutes late asks past the kept checkpoints (the fault campaign's
+        loop-off arm), while the checkpoint before the damage is still on disk."""
+        if not steps:
+            return None, None, None
+        paths = self._history.paths()
+        for step in sorted(s for s in paths if s >= steps[0] - 1):  # its next step's loss is in the history
+            if (state := self._read_passed(step, paths[step])) is None:
+                continue
+            found, onset = self._before_onset((step, paths[step], state), steps, losses, window)
+            return (found, onset, step) if onset is not None else (None, None, None)
+        return None, None, None
 
     def _rollback_source(self, request: RollbackRequest) -> tuple[tuple[int, Path, dict[str, Any]] | None, str]:
         """(step, path, state) of the first readable checkpoint of this run's history in the request's order (the

@@ -10,7 +10,9 @@ between the alert's bound and that start was written before the damage and is th
 
 The search only ever moves the rollback later within the alert's lookback, and only past losses that
 stayed at their level: a noisy, young or short history finds no lasting excursion, and the rollback
-stays at the alert's bound.
+stays at the alert's bound. Where every checkpoint before the bound was pruned (an answer minutes late),
+the oldest kept checkpoint the history reaches back to stands in for the bound: the same search from it,
+or the refusal where its losses were already off their level.
 """
 
 from __future__ import annotations

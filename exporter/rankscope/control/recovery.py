@@ -7,7 +7,9 @@ methods; one that does not gets the outcome "unsupported", and nothing changes:
         # load the first readable checkpoint of request.checkpoint_order(its steps) (every rank the same one):
         # the newest written before request.before_step (a loop that keeps its step losses may take a
         # newer one written before they left their level: request.onset_window_steps; one that knows when
-        # its checkpoints were written, the newest written before request.before_time where that is set),
+        # its checkpoints were written, the newest written before request.before_time where that is set; with
+        # none kept before the bound, a loop that keeps its step losses may still load one written before they
+        # left their level, if they reach back to its oldest kept checkpoint and stayed at their level since),
         # skip request.window(checkpoint step, batches trained since it) batches of data after it (and,
         # if it can read ahead, up to request.lookahead_batches more that the restored model finds bad),
         # multiply the learning rates by
