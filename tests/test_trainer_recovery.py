@@ -216,26 +216,44 @@ def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_che
     assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
 
 
+def _answered_late(trainer_job, free_port, tmp_path: Path, name: str, at: int, keep: int, steps_in: int, before: int):
+    """A job whose data is poisoned from batch `at` on (for 400 batches), checkpoints every 10 steps and the last
+    `keep` kept, and the operator's rollback to before step `before`, `steps_in` steps into the stretch: (the job,
+    its endpoint, the settled outcome)."""
+    port = free_port()
+    job = trainer_job(name, ["run.max_steps=100000", "checkpoint.every_steps=10", f"checkpoint.keep={keep}",
+                             f"faults.poison.at_batch={at}", "faults.poison.batches=400",
+                             f"control.rollback_margin_batches={MARGIN}",
+                             *_control_settings(port, tmp_path / "token")])  # fmt: skip
+    endpoint = Endpoint(port)
+    job.wait_for(lambda: endpoint.status()["step"] >= at + steps_in, f"{steps_in} poisoned steps")
+    endpoint.post("rollback", "poisoned shard", before_step=before)
+    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
+    return job, endpoint, done
+
+
+def _stop(job, endpoint: Endpoint) -> None:
+    endpoint.post("stop", "scenario over")
+    assert job.wait_exit(timeout=120) == 0, job.tail()
+
+
 @pytest.mark.integration
 def test_a_rollback_past_every_kept_checkpoint_loads_the_newest_before_the_loss_rose_when_the_losses_show_it(
     trainer_job, free_port, tmp_path
 ) -> None:
-    # Checkpoints every 10 steps, the last 12 kept: when the operator answers 20 steps into the poisoned stretch
-    # (from step 201), the oldest kept is about 110 steps back, and he asks for one before step 51, long pruned.
-    # The run's step losses stayed at their level from the oldest kept checkpoint until the stretch: the newest
-    # checkpoint before it (180) is from before the damage, and loading it is the rollback asked for. (Refused,
-    # "no readable checkpoint before step 51", before.)
-    port, at = free_port(), 201
-    job = trainer_job("pruned", ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=12",
-                                 f"faults.poison.at_batch={at}", "faults.poison.batches=200",
-                                 f"control.rollback_margin_batches={MARGIN}",
-                                 *_control_settings(port, tmp_path / "token")])  # fmt: skip
-    endpoint = Endpoint(port)
-    job.wait_for(lambda: endpoint.status()["step"] >= at + 20, "20 poisoned steps")
-    endpoint.post("rollback", "poisoned shard", before_step=51)
-    event = _applied_rollback_then_stop(job, endpoint)
-    kept_before = [r["step"] for r in job.records("checkpoint") if r["step"] < 51]
-    assert kept_before and not any(Path(r["path"]).exists() for r in job.records("checkpoint") if r["step"] < 51)
+    # The last 12 checkpoints kept: when the operator answers 20 steps into the poisoned stretch (from step 201),
+    # the oldest kept is about 110 steps back, and he asks for one before step 51, long pruned. The run's step
+    # losses stayed at their level from the oldest kept checkpoint until the stretch: the newest checkpoint before
+    # it (180) is from before the damage, and loading it is the rollback asked for. (Refused, "no readable
+    # checkpoint before step 51", before.)
+    at = 201
+    job, endpoint, done = _answered_late(trainer_job, free_port, tmp_path, "pruned", at, keep=12, steps_in=20,
+                                         before=51)  # fmt: skip
+    assert done["status"] == "applied", done
+    (event,) = job.records("rollback")
+    _stop(job, endpoint)
+    written_before = [r["path"] for r in job.records("checkpoint") if r["step"] < 51]
+    assert written_before and not any(Path(path).exists() for path in written_before)  # pruned
     assert event["step"] == at - 21 and event["loss_rose_at"] is not None, event
     assert event["step"] < event["loss_rose_at"] <= at, event
     assert "no checkpoint before step 51 is kept; the loss stayed at its level from step" in job.output.read_text()
@@ -246,19 +264,12 @@ def test_a_rollback_past_every_kept_checkpoint_is_refused_when_the_damage_began_
     trainer_job, free_port, tmp_path
 ) -> None:
     # The stretch began at step 41; the 3 checkpoints kept when the operator answers are all inside it.
-    port, at = free_port(), 41
-    job = trainer_job("pruned-inside", ["run.max_steps=100000", "checkpoint.every_steps=10", "checkpoint.keep=3",
-                                        f"faults.poison.at_batch={at}", "faults.poison.batches=400",
-                                        *_control_settings(port, tmp_path / "token")])  # fmt: skip
-    endpoint = Endpoint(port)
-    job.wait_for(lambda: endpoint.status()["step"] >= at + 100, "100 poisoned steps")
-    endpoint.post("rollback", "poisoned shard", before_step=21)
-    (done,) = job.wait_for(lambda: endpoint.settled("rollback"), "the rollback to settle")
+    job, endpoint, done = _answered_late(trainer_job, free_port, tmp_path, "pruned-inside", 41, keep=3,
+                                         steps_in=100, before=21)  # fmt: skip
     assert done["status"] == "refused_unavailable", done
     assert "no readable checkpoint of this run before step 21" in done["detail"], done
     assert job.records("rollback") == []
-    endpoint.post("stop", "scenario over")
-    assert job.wait_exit(timeout=120) == 0, job.tail()
+    _stop(job, endpoint)
 
 
 def _applied_rollback_then_stop(job, endpoint: Endpoint) -> dict:
