@@ -15,7 +15,7 @@ import yaml
 
 from benchmarks.campaign.arm import ARMS, ArmRecord, rules_for
 from benchmarks.campaign.operator import Operator, runbook_actions
-from benchmarks.campaign.results import step_times, summarise, target_loss
+from benchmarks.campaign.results import SETTLE_SECONDS, step_times, summarise, target_loss
 from benchmarks.campaign.schedule import KINDS, QUICK_KINDS, build_schedule
 from benchmarks.latency import Control
 from devstack.monitoring import unix_time
@@ -49,18 +49,27 @@ def test_the_ground_truth_counts_each_step_once_at_its_last_training_and_a_first
     assert sum(d for _, d in times.values()) == pytest.approx(2.0 + 19 * 1.0 + 3.0 + 19 * 2.0)
 
 
+def _two_faults(kinds: tuple[str, str]) -> tuple[list, list[dict]]:
+    """A schedule of two faults at 1 s a step, and a run's start and step records through 40 steps past the
+    second."""
+    schedule = build_schedule(kinds, step_seconds=1.0, operator_delay=0, seed=1, warmup_steps=5)
+    return schedule, [
+        {"type": "start", "time": 0.0},
+        *[_train(s, float(s)) for s in range(1, schedule[1].at_step + 40)],
+    ]
+
+
+def _fault(kind: str, step: int, at: float, record: str = "fault") -> dict:
+    """The trainer's record of a fault (kind and step name it) firing, or with `record="fault_end"` ending."""
+    return {"type": record, "kind": kind, "name": f"{kind}-step{step}", "step": step, "time": at}
+
+
 def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_false_alarm() -> None:
-    schedule = build_schedule(("nonfinite", "hang_data"), step_seconds=1.0, operator_delay=0, seed=1,
-                              warmup_steps=5)  # fmt: skip
+    schedule, records = _two_faults(("nonfinite", "hang_data"))
     nonfinite, hang = schedule
-    records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, hang.at_step + 40)]]
     # As the trainer names them (kind and step); a fault of the same kind at another step is not this one.
-    records += [{"type": "fault", "kind": "nonfinite", "name": f"nonfinite-step{nonfinite.at_step}",
-                 "step": nonfinite.at_step, "time": nonfinite.at_step - 0.5},
-                {"type": "fault", "kind": "hang", "name": f"hang-step{hang.at_step + 1}", "step": hang.at_step + 1,
-                 "time": 1.0},
-                {"type": "fault", "kind": "hang", "name": f"hang-step{hang.at_step}", "step": hang.at_step,
-                 "time": hang.at_step - 0.5},
+    records += [_fault("nonfinite", nonfinite.at_step, nonfinite.at_step - 0.5), _fault("hang", hang.at_step + 1, 1.0),
+                _fault("hang", hang.at_step, hang.at_step - 0.5),
                 {"type": "action", "action": "reduce_lr", "result": "applied", "step": nonfinite.at_step + 4,
                  "reason": "alert:RankscopeNonFiniteSteps", "time": nonfinite.at_step + 4.0}]  # fmt: skip
     alerts = [
@@ -80,6 +89,31 @@ def test_alerts_are_attributed_to_the_fault_they_name_and_anything_else_is_a_fal
                                                          "['RankscopeRankHung{rank=0}'])"]  # fmt: skip
     # The stalled run is the hang's (it explains it); the slow steps before any fault are a false alarm.
     assert summary.false_alarms == ["RankscopeSlowSteps{rank=1} at 2 s"]
+
+
+def test_an_alert_that_comes_as_its_lasting_faults_rates_settle_is_that_faults_even_after_the_next_began() -> None:
+    # On a machine faster than the calibration the straggler (a window of steps) ended before its 10-minute `for`
+    # was over, and the next fault came 37 s later; its alert fired 48 s after the straggler's end, while the
+    # rates over 2 minutes still held it (a loop-on arm at 4668335). It names the straggler; no false alarm.
+    schedule, records = _two_faults(("straggler", "hang_collective"))
+    straggler, hang = schedule
+    records += [_fault("straggler", straggler.at_step, straggler.at_step - 0.5),
+                _fault("straggler", straggler.at_step, hang.at_step - 37.0, record="fault_end"),
+                _fault("hang", hang.at_step, hang.at_step - 0.5)]  # fmt: skip
+    alerts = [
+        {"alertname": "RankscopeRankImbalance", "rank": "1", "start": hang.at_step + 11.0, "end": hang.at_step + 40.0},
+        {"alertname": "RankscopeRankHung", "rank": "1", "start": hang.at_step + 9.0, "end": hang.at_step + 11.0},
+        # Long after the straggler's rates settled: no fault explains it.
+        {"alertname": "RankscopeRankImbalance", "rank": "1", "start": hang.at_step + 30.0 + SETTLE_SECONDS,
+         "end": hang.at_step + 31.0 + SETTLE_SECONDS},
+    ]  # fmt: skip
+    arm = _arm("on", sorted(records, key=lambda r: r["time"]), alerts=alerts, ended=hang.at_step + 50.0,
+               max_steps=hang.at_step + 39)  # fmt: skip
+    summary = summarise(arm, schedule, None, None)
+    first, second = summary.faults
+    assert (first.alert, first.alert_rank, first.problems) == ("RankscopeRankImbalance", "1", [])
+    assert second.alert == "RankscopeRankHung"
+    assert summary.false_alarms == [f"RankscopeRankImbalance{{rank=1}} at {hang.at_step + 30 + SETTLE_SECONDS:.0f} s"]
 
 
 def test_the_target_is_the_fault_free_runs_validation_loss_at_ninety_percent_of_its_steps() -> None:

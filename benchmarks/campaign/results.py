@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankscope.hang_threshold import duration_seconds
+from rankscope.mixin.config import Tunables
+
 from .arm import ArmRecord
 from .schedule import Fault
 
@@ -29,6 +32,9 @@ __all__ = ["ArmSummary", "FaultOutcome", "summarise", "target_loss"]
 GOODPUT_TOLERANCE = 0.02
 #: An alert that starts this long after its fault's window still belongs to it (the `for` and an evaluation).
 GRACE_SECONDS = 5.0
+#: How long after a lasting fault stopped acting (its `fault_end`) its alert may still start: the shipped rules'
+#: rates reach back `rate_window`, and a slow group is evaluated every `slow_interval`.
+SETTLE_SECONDS = duration_seconds(Tunables().rate_window) + duration_seconds(Tunables().slow_interval) + GRACE_SECONDS
 
 
 @dataclass
@@ -117,17 +123,26 @@ def _final_val(arm: ArmRecord) -> tuple[float | None, int | None]:
     return float(last["loss"]), int(last["step"])
 
 
+def _trainer_name(fault: Fault) -> str:
+    """How the trainer names the fault in its records: by kind and step (poison: data batch), faults.FaultEvent."""
+    entry = fault.trainer_entry() or {}
+    return f"{entry.get('kind')}-{'batch' if entry.get('kind') == 'poison' else 'step'}{fault.at_step}"
+
+
 def _injected_at(fault: Fault, arm: ArmRecord) -> float | None:
     """When the fault began: the trainer's `fault` record (written by the rank that fired it, before it acts),
     or the runner's own clock for the faults it plays."""
     for event in arm.runner_events:
         if event.get("id") == fault.id:
             return float(event["time"])
-    entry = fault.trainer_entry() or {}
-    # The trainer names a fault by kind and step (poison: data batch): faults.FaultEvent.name.
-    name = f"{entry.get('kind')}-{'batch' if entry.get('kind') == 'poison' else 'step'}{fault.at_step}"
-    fired = [r for r in arm.records if r.get("type") == "fault" and r.get("name") == name]
+    fired = [r for r in arm.records if r.get("type") == "fault" and r.get("name") == _trainer_name(fault)]
     return min(float(r["time"]) for r in fired) if fired else None
+
+
+def _stopped_at(fault: Fault, arm: ArmRecord) -> float | None:
+    """When a fault that acts over a window of steps stopped acting (its last `fault_end` record), or None."""
+    ended = [r["time"] for r in arm.records if r.get("type") == "fault_end" and r.get("name") == _trainer_name(fault)]
+    return max(ended) if ended else None
 
 
 def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | None, target: float | None) -> ArmSummary:
@@ -144,16 +159,21 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
 
     injected = {fault.id: _injected_at(fault, arm) for fault in faults}
     windows = []
+    alert_ends = {}
     for index, fault in enumerate(faults):
         end_step = faults[index + 1].at_step if index + 1 < len(faults) else arm.max_steps
         start = injected[fault.id]
         next_start = injected[faults[index + 1].id] if index + 1 < len(faults) else arm.ended_at
         windows.append((fault, start, next_start or arm.ended_at, end_step))
+        # Its alert may come after the next fault began where its effect lasted into the next one's span (a
+        # machine faster than the calibration runs a window of steps in less time than the alert's `for`).
+        stopped = _stopped_at(fault, arm)
+        alert_ends[fault.id] = max(windows[-1][2], stopped + SETTLE_SECONDS if stopped is not None else 0.0)
 
     redone = _redone(arm, windows)
-    outcomes = [_outcome(arm, fault, start, end, end_step, times, ff_times, redone)
+    outcomes = [_outcome(arm, fault, start, alert_ends[fault.id], end, end_step, times, ff_times, redone)
                 for fault, start, end, end_step in windows]  # fmt: skip
-    false_alarms = _false_alarms(arm, windows)
+    false_alarms = _false_alarms(arm, [(fault, start, alert_ends[fault.id]) for fault, start, _, _ in windows])
     val_loss, val_step = _final_val(arm)
     to_target = None
     if target is not None:
@@ -184,7 +204,7 @@ def _redone(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]
 
 
 def _outcome(
-    arm: ArmRecord, fault: Fault, start: float | None, end: float, end_step: int,
+    arm: ArmRecord, fault: Fault, start: float | None, alert_end: float, end: float, end_step: int,
     times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]], redone: dict[str, int],
 ) -> FaultOutcome:  # fmt: skip
     kind = fault.kind
@@ -193,11 +213,11 @@ def _outcome(
     if start is None:
         problems.append("no record of its injection")
     elif kind.alert is not None:
-        alert = next((a for a in arm.alerts if a["alertname"] == kind.alert and start - 1 <= a["start"] <= end
+        alert = next((a for a in arm.alerts if a["alertname"] == kind.alert and start - 1 <= a["start"] <= alert_end
                       and (not kind.names_rank or a["rank"] == str(fault.rank))), None)  # fmt: skip
         if alert is None:
             named = [f"{a['alertname']}{{rank={a['rank']}}}" for a in arm.alerts
-                     if a["alertname"] == kind.alert and start - 1 <= a["start"] <= end]  # fmt: skip
+                     if a["alertname"] == kind.alert and start - 1 <= a["start"] <= alert_end]  # fmt: skip
             problems.append(f"not named by {kind.alert}" + (f" with rank {fault.rank} (got {named})" if named else ""))
     action, outcome, action_at = "", "", None
     if alert is not None and start is not None:
@@ -223,14 +243,15 @@ def _outcome(
     )  # fmt: skip
 
 
-def _false_alarms(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]]) -> list[str]:
-    """Alerts no fault explains: outside every fault's window, or of a name its fault does not explain."""
+def _false_alarms(arm: ArmRecord, windows: list[tuple[Fault, float | None, float]]) -> list[str]:
+    """Alerts no fault explains: outside every fault's window (to when its alert may come), or of a name its fault
+    does not explain."""
     found = []
     for alert in arm.alerts:
         explained = any(
             start is not None and start - 1 <= alert["start"] <= end + GRACE_SECONDS
             and alert["alertname"] in (fault.kind.alert, *fault.kind.also)
-            for fault, start, end, _ in windows
+            for fault, start, end in windows
         )  # fmt: skip
         if not explained:
             at = alert["start"] - arm.started_at

@@ -553,8 +553,8 @@ class Trainer:
         where = f"epoch {record.epoch} sample {record.sample}"
         detail = f"from step {left}; data from {where} skipped"
         if pruned_from is not None:
-            detail += (f" (no checkpoint before step {request.checkpoint_bound} is kept; the loss stayed at its level"
-                       f" from step {pruned_from} until after step {onset})")  # fmt: skip
+            detail += (f" (no readable checkpoint before step {request.checkpoint_bound} is left; the loss stayed at"
+                       f" its level from step {pruned_from} until after step {onset})")  # fmt: skip
         elif onset is not None and step != bound:
             detail += f" (the loss left its level after step {onset}: a newer checkpoint than step {bound})"
         if ahead:
