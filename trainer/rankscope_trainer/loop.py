@@ -646,14 +646,19 @@ class Trainer:
         losses reach back to stands in for the bound when the losses after it stayed at their level until an
         excursion that lasts to now; then (`_before_onset`'s choice from it, the excursion's start, its step).
         (None, None, None) otherwise: damage that began before it, or losses that do not reach it, leave the
-        refusal as it was. An operator's answer minutes late asks past the kept checkpoints (the fault campaign's
+        refusal as it was, and so does a stand-in whose learning rates are over the configured ones: with no
+        checkpoint from before it to compare with, a raised rate (the commonest cause of divergence) would be
+        restored with it. An operator's answer minutes late asks past the kept checkpoints (the fault campaign's
         loop-off arm), while the checkpoint before the damage is still on disk."""
         if not steps:
             return None, None, None
         paths = self._history.paths()
+        configured = {"scheduler": {"base_lrs": [self.cfg.optim.lr] * len(self.scheduler.base_lrs)}}
         for step in sorted(s for s in paths if s >= steps[0] - 1):  # its next step's loss is in the history
             if (state := self._read_passed(step, paths[step])) is None:
                 continue
+            if rate_raised(state, configured):
+                return None, None, None
             found, onset = self._before_onset((step, paths[step], state), steps, losses, window)
             return (found, onset, step) if onset is not None else (None, None, None)
         return None, None, None
