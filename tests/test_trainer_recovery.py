@@ -209,6 +209,11 @@ def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_che
                                 *_control_settings(port, tmp_path / "token")])  # fmt: skip
     endpoint = Endpoint(port)
     job.wait_for(lambda: endpoint.status()["step"] >= 40, "step 40")
+    # startsAt is in whole seconds, as Alertmanager writes it: on a fast machine the second the run reached step
+    # 40 in began before step 10, and the rollback was refused ("no checkpoint before step 7"), the alert's own
+    # step being the bound. Fire it once that second is past the checkpoint of step 20.
+    written = {r["step"]: r["time"] for r in job.records("checkpoint")}
+    job.wait_for(lambda: time.time() // 1 > written[20], "a whole second past the checkpoint of step 20")
     # Fired now, its incident up to 3 minutes before, which in a run this young is before its first step (no
     # checkpoint is older than that).
     endpoint.divergence_alert(time.time(), 180, "young")
@@ -216,14 +221,16 @@ def test_an_alerts_lookback_past_a_young_runs_start_rolls_back_to_its_oldest_che
     assert event["step"] == 10, event  # the oldest checkpoint: the nearest there is to the run's start
 
 
-def _answered_late(trainer_job, free_port, tmp_path: Path, name: str, at: int, keep: int, steps_in: int, before: int):
+def _answered_late(
+    trainer_job, free_port, tmp_path: Path, name: str, at: int, keep: int, steps_in: int, before: int, *settings: str
+):
     """A job whose data is poisoned from batch `at` on (for 400 batches), checkpoints every 10 steps and the last
     `keep` kept, and the operator's rollback to before step `before`, `steps_in` steps into the stretch: (the job,
     its endpoint, the settled outcome)."""
     port = free_port()
     job = trainer_job(name, ["run.max_steps=100000", "checkpoint.every_steps=10", f"checkpoint.keep={keep}",
                              f"faults.poison.at_batch={at}", "faults.poison.batches=400",
-                             f"control.rollback_margin_batches={MARGIN}",
+                             f"control.rollback_margin_batches={MARGIN}", *settings,
                              *_control_settings(port, tmp_path / "token")])  # fmt: skip
     endpoint = Endpoint(port)
     job.wait_for(lambda: endpoint.status()["step"] >= at + steps_in, f"{steps_in} poisoned steps")
@@ -269,6 +276,20 @@ def test_a_rollback_past_every_kept_checkpoint_is_refused_when_the_damage_began_
                                          steps_in=100, before=21)  # fmt: skip
     assert done["status"] == "refused_unavailable", done
     assert "no readable checkpoint of this run before step 21" in done["detail"], done
+    assert job.records("rollback") == []
+    _stop(job, endpoint)
+
+
+@pytest.mark.integration
+def test_a_rollback_past_every_kept_checkpoint_is_refused_when_the_oldest_carries_a_raised_rate(
+    trainer_job, free_port, tmp_path
+) -> None:
+    # The rate was raised 1.5x at step 101, before every checkpoint kept when the operator answers; the loss left
+    # its level only at the poison (201). Every kept checkpoint carries the raised rate, and none from before it
+    # is left to compare with: loading one would restore the likely cause (it loaded 180 before).
+    job, endpoint, done = _answered_late(trainer_job, free_port, tmp_path, "pruned-raised", 201, 12, 20, 51,
+                                         "faults.diverge.at_step=101", "faults.diverge.lr_factor=1.5")  # fmt: skip
+    assert done["status"] == "refused_unavailable", done
     assert job.records("rollback") == []
     _stop(job, endpoint)
 
