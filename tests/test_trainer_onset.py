@@ -6,8 +6,11 @@ tests/test_trainer_recovery.py's, under torchrun.
 
 from __future__ import annotations
 
+import json
+import lzma
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +44,35 @@ def test_noise_a_falling_loss_and_a_rise_that_ended_give_no_start(seed) -> None:
     # A spike that came back: the loss is at its level now, nothing to undo.
     spike = _noisy(0.05, 200, rng) + _noisy(2.7, 100, rng) + _noisy(0.05, 100, rng)
     assert excursion_start(spike, WINDOW) is None
+
+
+def test_a_converged_losss_heavy_tailed_noise_is_its_level_not_a_rise() -> None:
+    """The fault campaign's loop-on arm at 4668335 (benchmarks/results): from the rollback's bound (step 13908) the
+    converged loss went from 0.0001 to 0.13 from batch to batch, so windows' medians were over twice the first
+    window's median for 88 steps before the learning-rate spike at step 14337. Measured from that median, the
+    excursion began at 14272 and the rollback loaded step 13908, passing over the checkpoint of step 14274 written
+    63 steps before the spike: 366 steps trained again for nothing."""
+    record = Path(__file__).parents[1] / "benchmarks/results/campaign-4668335/on.json.xz"
+    records = json.loads(lzma.decompress(record.read_bytes()))["records"]
+    rollback = next(r for r in records if r["type"] == "rollback")
+    losses = {r["step"]: r["loss"] for r in records if r["type"] == "train" and r["time"] < rollback["time"]}
+    steps = [s for s in sorted(losses) if rollback["step"] < s <= rollback["rolled_back_from"]]
+    spike = next(r["step"] for r in records if r["type"] == "fault" and r["kind"] == "diverge")
+    start = excursion_start([losses[s] for s in steps], WINDOW)
+    assert start is not None
+    assert 14274 < steps[start] < spike, steps[start]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_rise_out_of_heavy_tailed_noise_is_found_before_it(seed) -> None:
+    rng = random.Random(seed)
+    rise = rng.randrange(2 * WINDOW, 400)
+    # Near convergence most batches' losses are tiny and a few are a hundred times more.
+    noise = [0.001 * math.exp(rng.uniform(-2.5, 2.5)) * (100 if rng.random() < 0.1 else 1) for _ in range(rise)]
+    losses = noise + _noisy(2.7, rng.randrange(WINDOW, 300), rng)
+    start = excursion_start(losses, WINDOW)
+    assert start is not None
+    assert rise - WINDOW <= start < rise, (rise, start)
 
 
 def test_a_rise_from_the_first_window_or_too_short_a_history_gives_no_start() -> None:

@@ -26,7 +26,7 @@ import torch
 __all__ = ["LOSS_HISTORY_STEPS", "ONSET_FACTOR", "LossHistory", "excursion_start", "rate_raised"]
 
 #: The loss has left its level when the median of a window of step losses is over this many times the
-#: median of the first window after the alert's bound. A lower factor only finds an earlier start (a
+#: highest loss of the first window after the alert's bound. A lower factor only finds an earlier start (a
 #: safer, older checkpoint); a diverging or poisoned run's loss goes to chance, tens of times its level.
 ONSET_FACTOR = 2.0
 
@@ -73,15 +73,22 @@ def excursion_start(losses: Sequence[float], window: int, factor: float = ONSET_
     """The index of the first loss of the last window still at the level, before an excursion that lasts to
     the end of `losses`; None when there is none, or too little history to tell (under two windows, no level).
 
-    The level is the median of the first `window` losses; a window has left it when its median is over
-    `factor` times that (a non-finite loss counts as over). The index returned is the start of the last
-    window whose median was not: every step before it trained before more than half of a window's losses
-    rose, a margin of about half a window before the rise."""
+    The level is the highest finite loss of the first `window`; a window has left it when its median is over
+    `factor` times that (a non-finite loss counts as over). The highest, not the median: near convergence a
+    batch's loss goes from 0.0001 to 0.13 (the fault campaign), so windows' medians double and halve around the
+    first one's for a hundred steps before anything happened; the highest already covers the batches' spread,
+    while a diverged or poisoned loss goes to chance, a thousand times over it. The index returned is the start
+    of the last window whose median was not over: every step before it trained before more than half of a
+    window's losses rose, a margin of about half a window before the rise."""
     if window < 1 or len(losses) < 2 * window:
         return None
     values = torch.tensor([v if math.isfinite(v) else math.inf for v in losses], dtype=torch.float64)
-    level = float(values[:window].median())
-    if not math.isfinite(level) or level <= 0:
+    first = values[:window]
+    finite = first[torch.isfinite(first)]
+    if len(finite) <= window // 2:  # mostly non-finite: no level to measure from
+        return None
+    level = float(finite.max())
+    if level <= 0:
         return None
     # The lower median of each window (torch.median), for each window start.
     high = values.unfold(0, window, 1).median(dim=1).values > factor * level

@@ -91,7 +91,8 @@ class ControlConfig:
     rollback_onset_window_steps: int = 32
     """A loop that keeps its step losses (the reference trainer) rolls back to the newest checkpoint written
     before the loss left its level, when that is later than the alert's lookback: the start of the excursion
-    that lasts to now, where the median of this many steps' losses went over twice its level (0: off, the
+    that lasts to now, where the median of this many steps' losses went over twice the highest loss of the
+    first such window after the lookback (0: off, the
     newest checkpoint before the lookback). Never earlier than the lookback, never past a raised learning rate."""
     rollback_cooldown_steps: int = 0
     """Steps after an applied `rollback` during which another is refused, counted from the step it was applied
