@@ -216,9 +216,9 @@ def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_in
 def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carries_none(tmp_path: Path) -> None:
     # The loop-off arm's rules carry no action, so the divergence alert has no incident_lookback_seconds: the
     # operator took the incident to begin when the alert fired, 70 s into the divergence, and restored a
-    # checkpoint with it in. The runbook says where it began: the shipped rule's lookback (135 s).
-    trained = [(100, 200), (200, 140), (300, 130), (400, 60), (500, 0)]
-    assert _rollback_posted(tmp_path, trained)["params"] == {"before_step": 200}  # 135 s before it fired
+    # checkpoint with it in. The runbook says where it began: the shipped rule's lookback (130 s).
+    trained = [(100, 200), (200, 140), (300, 125), (400, 60), (500, 0)]
+    assert _rollback_posted(tmp_path, trained)["params"] == {"before_step": 200}  # 130 s before it fired
 
 
 def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.campaign.replay import REPO, main, replay, scrapes
+from benchmarks.campaign.replay import REPO, main, replay, rollbacks_applied, scrapes
 
 RULES = REPO / "prometheus" / "rules"
 
@@ -67,6 +67,23 @@ def test_a_restart_is_a_gap_in_the_scrapes_and_a_hang_holds_the_last_steps_value
     assert losses[10:19] == [2.0] * 9 and steps[10] == 9.5  # 111..119 s: the hung step's values, held
     assert losses[19:24] == [None] * 5 and steps[19:24] == [None] * 5  # 120..124 s: restarting
     assert losses[24] == 3.0
+
+
+def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_count(tmp_path: Path) -> None:
+    before = _noisy(2.0)
+    log = _log(tmp_path / "log.jsonl", lambda t: before(t) if t < 600 or t >= 690 else 10.0, 800, fault_at=600.0)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records.insert(0, {"type": "start", "time": 1000.0})
+    records.append({"type": "action", "action": "rollback", "result": "applied", "time": 1690.0})
+    records.append({"type": "action", "action": "rollback", "result": "refused_cooldown", "time": 1700.0})
+    log.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["time"])))
+    served = rollbacks_applied(records, 1001.0, 800)
+    assert served[688] is None and served[689] == 1.0 and served[-1] == 1.0  # born at the first, a refusal not counted
+    result = replay(log, RULES)
+    # Firing from the leap until the rollback: its 2m median holds the 90 s of 10 until 2 minutes after they began.
+    assert len(result.firing) == 1, result.lines(300)
+    first, last = result.firing[0]
+    assert result.start + last - 1000.0 == 689.0, result.lines(300)
 
 
 def test_a_hung_run_whose_last_loss_was_high_fires_nothing(tmp_path: Path) -> None:

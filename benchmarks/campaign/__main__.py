@@ -47,7 +47,7 @@ CHECKPOINT_SECONDS = 15.0
 #: A validation every this many seconds of training (the time-to-target's resolution).
 VALIDATION_SECONDS = 30.0
 #: Checkpoints kept reach this far back, beyond the operator's delay: a rollback on divergence goes to before the
-#: loss began to climb, up to a smoothing window (2m) before the alert went pending, itself a `for` (15 s) before it
+#: loss began to climb, up to a smoothing window (2m) before the alert went pending, itself a `for` (10 s) before it
 #: fired; plus a margin for the slower detection the schedule allows (`detect_seconds`). Every arm keeps as many:
 #: the loop-off arm's operator asks for the same checkpoint the loop would have, his delay later.
 ROLLBACK_REACH_SECONDS = 300.0

@@ -30,7 +30,7 @@ __all__ = ["LOSS_HISTORY_STEPS", "ONSET_FACTOR", "LossHistory", "excursion_start
 #: safer, older checkpoint); a diverging or poisoned run's loss goes to chance, tens of times its level.
 ONSET_FACTOR = 2.0
 
-#: Steps of loss kept: an alert's lookback (135 s by default) and its answer, twice over at 10 ms a step; 128 KiB.
+#: Steps of loss kept: an alert's lookback (130 s by default) and its answer, twice over at 10 ms a step; 128 KiB.
 LOSS_HISTORY_STEPS = 32_768
 
 

@@ -199,19 +199,22 @@ class Tunables:
     the window's highest, not its median: near zero a loss's median flips between a batch's usual values (the fault
     campaign's converged loss went from 0.0001 to 0.087 and back), its highest already covers them. In a run's first
     loss_baseline_window the recent quartile also counts as the smoothed loss does for divergence_relapse_share."""
-    divergence_for: str = "15s"
+    divergence_for: str = "10s"
     """How long the smoothed loss stays over its line before the alert fires. The median over
     loss_smoothing_window is already the guard against noise (it crosses once more than half its window is
-    high); every second of the `for` is training the rollback throws away. Replayed at 1 s over the fault
-    campaign's logged losses (3.5 hours), the 2m median never stayed over its line outside a fault, and a `for`
-    of 15 s instead of 1m named the divergences 45 s sooner (benchmarks/README.md)."""
+    high), and the recent quartile over loss_leap_window against a few bad batches; every second of the `for` is
+    training the rollback throws away. 10 s, not less: a 20 s spike of bad batches holds the recent quartile over
+    its line for 5 s, and it is not a divergence. Replayed at 1 s over the fault campaign's six logged runs (7.3
+    hours), even a `for` of 5 s fired nowhere outside a fault; the one place a shorter `for` met a crossing
+    outside a fault, the minute after a rollback, the alert no longer judges (benchmarks/README.md). Evaluated
+    every 15 s, any `for` up to 15 s is the same two evaluations."""
     divergence_severity: str = "ticket"
     divergence_action: str = "rollback"
     """What divergence asks the trainer for: rollback (reload the newest checkpoint from before the incident and
     skip the data after it), or reduce_lr. Rollback by default: a loss that diverged and does not come back by
     itself (a learning-rate spike kept in the checkpoints, a broken data shard) came back under a rollback and
     not under a halved rate in the fault campaign (benchmarks/README.md). It needs checkpoints reaching back
-    the alert's smoothing window and `for` (135 s) before it fires; without one it is refused and pages."""
+    the alert's smoothing window and `for` (130 s) before it fires; without one it is refused and pages."""
     nonfinite_window: str = "10m"
     """Range over which non-finite steps are counted."""
     nonfinite_steps: float = 2.0

@@ -125,7 +125,12 @@ def alerts(t: Tunables) -> list[Alert]:
             # smoothing window took longer than the run's hang threshold (a hung campaign run's frozen 0.13 was
             # 650 times its baseline); a run whose steps take minutes has a threshold to match.
             f"unless on ({RUN})\n"
-            f"max_over_time({LAST_STEP_AGE}[{t.loss_smoothing_window}]) > on ({RUN}) {HANG_THRESHOLD}",
+            f"max_over_time({LAST_STEP_AGE}[{t.loss_smoothing_window}]) > on ({RUN}) {HANG_THRESHOLD}\n"
+            # A smoothing window that holds a rollback holds the climb it undid: the alert ends with the fix and
+            # judges the restored run once its window is past it (a rollback that did not help fires again then).
+            # Read in the campaign's logs, such a window's median crossed the line again a minute after the
+            # rollback, on the climb alone.
+            f"unless on ({RUN}) {applied('rollback', t.loss_smoothing_window)}",
             t.divergence_for,
             t.divergence_severity,
             f"Training loss is diverging; {divergence}.",
