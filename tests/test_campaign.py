@@ -116,6 +116,25 @@ def test_an_alert_that_comes_as_its_lasting_faults_rates_settle_is_that_faults_e
     assert summary.false_alarms == [f"RankscopeRankImbalance{{rank=1}} at {hang.at_step + 30 + SETTLE_SECONDS:.0f} s"]
 
 
+def test_a_lasting_fault_shorter_than_its_alerts_for_is_not_named_and_the_table_says_why() -> None:
+    # A loop-on arm at 0172097 ran the plan's straggler (sized from a 41 ms calibration) at 28 ms a step: it lasted
+    # 538 s, under the imbalance alert's 10-minute `for`, and nothing could name it. Still a failed check, with why.
+    schedule, records = _two_faults(("straggler", "hang_collective"))
+    straggler, hang = schedule
+    records += [_fault("straggler", straggler.at_step, straggler.at_step - 0.5),
+                _fault("straggler", straggler.at_step, straggler.at_step + 537.5, record="fault_end"),
+                _fault("hang", hang.at_step, hang.at_step - 0.5)]  # fmt: skip
+    alerts = [{"alertname": "RankscopeRankHung", "rank": "1", "start": hang.at_step + 9.0, "end": hang.at_step + 11.0}]
+    arm = _arm("on", sorted(records, key=lambda r: r["time"]), alerts=alerts, ended=hang.at_step + 50.0,
+               max_steps=hang.at_step + 39)  # fmt: skip
+    first, second = summarise(arm, schedule, None, None).faults
+    assert first.alert is None and first.problems == [
+        "not named by RankscopeRankImbalance: it lasted 538 s, under its alert's `for` (600 s): its window of steps "
+        "was sized for a slower machine"
+    ]
+    assert second.alert == "RankscopeRankHung" and second.problems == []
+
+
 def test_the_target_is_the_fault_free_runs_validation_loss_at_ninety_percent_of_its_steps() -> None:
     vals = [{"type": "val", "step": s, "loss": 2.0 - s / 100, "time": float(s)} for s in (20, 40, 60, 80, 100)]
     assert target_loss(_arm("fault-free", vals, max_steps=100)) == (pytest.approx(1.2), 80)

@@ -218,7 +218,13 @@ def _outcome(
         if alert is None:
             named = [f"{a['alertname']}{{rank={a['rank']}}}" for a in arm.alerts
                      if a["alertname"] == kind.alert and start - 1 <= a["start"] <= alert_end]  # fmt: skip
-            problems.append(f"not named by {kind.alert}" + (f" with rank {fault.rank} (got {named})" if named else ""))
+            problem = f"not named by {kind.alert}" + (f" with rank {fault.rank} (got {named})" if named else "")
+            stopped = _stopped_at(fault, arm)
+            if stopped is not None and stopped - start < kind.alert_for_seconds:
+                # Its window of steps was sized from the plan's calibration; a faster machine runs it in less time.
+                problem += (f": it lasted {stopped - start:.0f} s, under its alert's `for` ({kind.alert_for_seconds:.0f}"
+                            " s): its window of steps was sized for a slower machine")  # fmt: skip
+            problems.append(problem)
     action, outcome, action_at = "", "", None
     if alert is not None and start is not None:
         acted = [r for r in arm.records if r.get("type") == "action" and r.get("time") and alert["start"] - 1

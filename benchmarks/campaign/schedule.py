@@ -49,6 +49,8 @@ class Kind:
     """For faults with an end (`until_step`): how many steps they last."""
     slowdown: float = 1.0
     """How many times slower its steps are while it lasts (a straggler)."""
+    alert_for_seconds: float = 0.0
+    """For a fault over a window of steps: how long it must last for its alert to fire at all (the alert's `for`)."""
 
     def span_seconds(self, operator_delay: float, step_seconds: float) -> float:
         """Time to leave before the next fault: detection, the slower arm's answer, the effect, and margin."""
@@ -83,7 +85,7 @@ KINDS: tuple[Kind, ...] = (
     # Twice its step time: the imbalance rule compares the slowest rank's compute time with the other ranks' median.
     Kind("straggler", "rank 1 slowed to twice its step time, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
-         effect_seconds=30),
+         effect_seconds=30, alert_for_seconds=600),
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "collective"}, detect_seconds=12,
          restarts=1, effect_seconds=60),
