@@ -222,8 +222,9 @@ def _outcome(
             stopped = _stopped_at(fault, arm)
             if stopped is not None and stopped - start < kind.alert_for_seconds:
                 # Its window of steps was sized from the plan's calibration; a faster machine runs it in less time.
-                problem += (f": it lasted {stopped - start:.0f} s, under its alert's `for` ({kind.alert_for_seconds:.0f}"
-                            " s): its window of steps was sized for a slower machine")  # fmt: skip
+                lasted, needed = stopped - start, kind.alert_for_seconds
+                problem += (f": it lasted {lasted:.0f} s, under its alert's `for` ({needed:.0f} s): its window of"
+                            " steps was sized for a slower machine")  # fmt: skip
             problems.append(problem)
     action, outcome, action_at = "", "", None
     if alert is not None and start is not None:
