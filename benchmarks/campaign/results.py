@@ -159,7 +159,8 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
 
     injected = {fault.id: _injected_at(fault, arm) for fault in faults}
     windows = []
-    alert_ends = {}
+    alert_ends: dict[str, float] = {}
+    stopped: dict[str, float | None] = {}
     for index, fault in enumerate(faults):
         end_step = faults[index + 1].at_step if index + 1 < len(faults) else arm.max_steps
         start = injected[fault.id]
@@ -167,12 +168,13 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
         windows.append((fault, start, next_start or arm.ended_at, end_step))
         # Its alert may come after the next fault began where its effect lasted into the next one's span (a
         # machine faster than the calibration runs a window of steps in less time than the alert's `for`).
-        stopped = _stopped_at(fault, arm)
-        alert_ends[fault.id] = max(windows[-1][2], stopped + SETTLE_SECONDS if stopped is not None else 0.0)
+        stopped[fault.id] = _stopped_at(fault, arm)
+        ended = stopped[fault.id]
+        alert_ends[fault.id] = max(windows[-1][2], ended + SETTLE_SECONDS if ended is not None else 0.0)
 
     redone = _redone(arm, windows)
-    outcomes = [_outcome(arm, fault, start, alert_ends[fault.id], end, end_step, times, ff_times, redone)
-                for fault, start, end, end_step in windows]  # fmt: skip
+    outcomes = [_outcome(arm, fault, start, (alert_ends[fault.id], stopped[fault.id]), end, end_step, times,
+                         ff_times, redone) for fault, start, end, end_step in windows]  # fmt: skip
     false_alarms = _false_alarms(arm, [(fault, start, alert_ends[fault.id]) for fault, start, _, _ in windows])
     val_loss, val_step = _final_val(arm)
     to_target = None
@@ -204,10 +206,11 @@ def _redone(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]
 
 
 def _outcome(
-    arm: ArmRecord, fault: Fault, start: float | None, alert_end: float, end: float, end_step: int,
+    arm: ArmRecord, fault: Fault, start: float | None, until: tuple[float, float | None], end: float, end_step: int,
     times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]], redone: dict[str, int],
 ) -> FaultOutcome:  # fmt: skip
     kind = fault.kind
+    alert_end, stopped = until  # to when its alert may start; when a fault over a window of steps stopped
     problems = []
     alert = None
     if start is None:
@@ -219,12 +222,10 @@ def _outcome(
             named = [f"{a['alertname']}{{rank={a['rank']}}}" for a in arm.alerts
                      if a["alertname"] == kind.alert and start - 1 <= a["start"] <= alert_end]  # fmt: skip
             problem = f"not named by {kind.alert}" + (f" with rank {fault.rank} (got {named})" if named else "")
-            stopped = _stopped_at(fault, arm)
             if stopped is not None and stopped - start < kind.alert_for_seconds:
-                # Its window of steps was sized from the plan's calibration; a faster machine runs it in less time.
+                # A window of steps sized from the plan's calibration lasts less on a faster machine (docs/campaign.md).
                 lasted, needed = stopped - start, kind.alert_for_seconds
-                problem += (f": it lasted {lasted:.0f} s, under its alert's `for` ({needed:.0f} s): its window of"
-                            " steps was sized for a slower machine")  # fmt: skip
+                problem += f": it lasted {lasted:.0f} s, under its alert's `for` ({needed:.0f} s)"
             problems.append(problem)
     action, outcome, action_at = "", "", None
     if alert is not None and start is not None:

@@ -16,6 +16,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankscope.hang_threshold import duration_seconds
+from rankscope.mixin.config import Tunables
+
 __all__ = ["FULL_KINDS", "KINDS", "QUICK_KINDS", "Fault", "Kind", "build_schedule"]
 
 
@@ -85,7 +88,7 @@ KINDS: tuple[Kind, ...] = (
     # Twice its step time: the imbalance rule compares the slowest rank's compute time with the other ranks' median.
     Kind("straggler", "rank 1 slowed to twice its step time, then normal", "RankscopeRankImbalance", True,
          trainer={"kind": "straggler", "mode": "sleep"}, detect_seconds=660, needs_operator=False,
-         effect_seconds=30, alert_for_seconds=600),
+         effect_seconds=30, alert_for_seconds=duration_seconds(Tunables().imbalance_for)),
     Kind("hang_collective", "rank 1 leaves the all-reduce out and waits elsewhere", "RankscopeRankHung", True,
          also=("RankscopeRunStalled",), trainer={"kind": "hang", "where": "collective"}, detect_seconds=12,
          restarts=1, effect_seconds=60),

@@ -77,9 +77,9 @@ def excursion_start(losses: Sequence[float], window: int, factor: float = ONSET_
     `factor` times that (a non-finite loss counts as over). The highest, not the median: near convergence a
     batch's loss goes from 0.0001 to 0.13 (the fault campaign), so windows' medians double and halve around the
     first one's for a hundred steps before anything happened; the highest already covers the batches' spread,
-    while a diverged or poisoned loss goes to chance, a thousand times over it. The index returned is the start
-    of the last window whose median was not over: every step before it trained before more than half of a
-    window's losses rose, a margin of about half a window before the rise."""
+    while a diverged or poisoned loss goes to chance (2.77), twenty times the highest there. The index returned
+    is the start of the last window whose median was not over: every step before it trained before more than
+    half of a window's losses rose, a margin of about half a window before the rise."""
     if window < 1 or len(losses) < 2 * window:
         return None
     values = torch.tensor([v if math.isfinite(v) else math.inf for v in losses], dtype=torch.float64)
