@@ -382,3 +382,87 @@ def test_the_loop_off_arm_pages_the_operator_with_every_alert_whose_runbook_says
         test = [binary("amtool"), "config", "routes", "test", f"--config.file={config}", "--verify.receivers=pager"]
         routed = subprocess.run([*test, *labels], capture_output=True, text=True, timeout=60, check=False)
         assert routed.returncode == 0, f"{name} ({labels}) does not reach the pager: {routed.stdout.strip()}"
+
+
+def _ledger_totals(start: float, steps: list[tuple[int, float, float]], finished: float) -> dict:
+    """The real goodput ledger's totals for a job whose process started at 0 and trained `steps` (index, end,
+    seconds) from `start` to `finished`, on a fake clock."""
+    from rankscope.goodput import GoodputLedger
+
+    now = [0.0]
+    ledger = GoodputLedger(None, process_start=0.0, clock=lambda: now[0])
+    ledger.first_step(start, 0)
+    for index, ended, seconds in steps:
+        now[0] = ended
+        ledger.on_step(index, ended, seconds)
+    now[0] = finished
+    ledger.finish()
+    return {"totals": ledger.totals(finished)}
+
+
+def test_a_kept_step_stalled_past_the_hang_threshold_is_a_hang_in_the_ground_truth_as_in_the_ledger() -> None:
+    # A machine that stops (a paused VM, an I/O stall) for 10 s in the middle of step 20 of 0.5 s steps: the
+    # step ends and is kept, but its gap is past the hang threshold (8 s): the ledger counts it as a hang,
+    # whole, and so must the ground truth, or the two disagree by the pause (CI, stop 46: 8 and 20 s).
+    ends, at = [], 5.0
+    for step in range(1, 41):
+        seconds = 10.0 if step == 20 else 0.5
+        at += seconds
+        ends.append((step, at, seconds))
+    records = [{"type": "start", "time": 5.0}, *[_train(s, t) for s, t, _ in ends],
+               {"type": "finished", "time": at}]  # fmt: skip
+    arm = _arm("fault-free", records, ended=at + 1.0)
+    arm.ledger = _ledger_totals(5.0, ends, at)
+    assert arm.ledger["totals"]["hang"] == pytest.approx(10.0)
+    summary = summarise(arm, [], None, None)
+    assert summary.goodput_truth == pytest.approx(summary.goodput_ledger, abs=1e-9)
+    assert summary.goodput_truth == pytest.approx(39 * 0.5 / at)
+    assert summary.stalled_seconds == pytest.approx(10.0)
+
+
+def test_a_restarts_first_step_and_a_step_after_a_slow_checkpoint_are_never_stalls() -> None:
+    # The first step of an incarnation (compilation, a checkpoint load) and the step after a checkpoint are timed
+    # from their start or phase record, and neither is a hang however long the start-up or the save took.
+    records = [
+        {"type": "start", "time": 5.0},
+        _train(1, 15.0),
+        _train(2, 15.5),
+        {"type": "checkpoint", "step": 2, "time": 30.5},
+        _train(3, 31.0),
+        {"type": "finished", "time": 31.0},
+    ]
+    summary = summarise(_arm("fault-free", records, ended=32.0, max_steps=3), [], None, None)
+    assert summary.stalled_seconds == 0.0
+    assert summary.goodput_truth == pytest.approx((10.0 + 0.5 + 0.5) / 31.0)
+
+
+def test_ledger_and_truth_disagreeing_says_where_bucket_by_bucket() -> None:
+    from benchmarks.campaign.__main__ import checks
+
+    records = [{"type": "start", "time": 5.0}, *[_train(s, 5.0 + s) for s in range(1, 41)],
+               {"type": "finished", "time": 45.0}]  # fmt: skip
+    arm = _arm("on", records, ended=46.0)
+    arm.ledger = {"totals": {"startup": 5.0, "training": 30.0, "lost": 0.0, "hang": 10.0, "checkpoint": 0.0,
+                             "validation": 0.0, "paused": 0.0}}  # fmt: skip
+    failed = checks([summarise(arm, [], None, None)])
+    assert len(failed) == 1 and failed[0].startswith("on: goodput ledger 66.7% vs truth 88.9%"), failed
+    assert (
+        "ledger: startup 5 s, training 30 s, lost 0 s, checkpoint 0 s, validation 0 s, paused 0 s, hang 10 s"
+        in (failed[0])
+    ), failed
+    assert "run log: start-up and restarts 5 s, steps kept 40 s, stalls 0 s, steps trained again 0 s" in failed[0]
+
+
+def test_the_table_says_when_the_machine_stopped() -> None:
+    from benchmarks.campaign.__main__ import table
+
+    ends, at = [], 5.0
+    for step in range(1, 41):
+        at += 10.0 if step == 20 else 0.5
+        ends.append(_train(step, at))
+    arm = _arm("on", [{"type": "start", "time": 5.0}, *ends, {"type": "finished", "time": at}], ended=at + 1)
+    arm.stolen_seconds = 19.5
+    quiet = _arm("fault-free", [{"type": "start", "time": 5.0}, _train(1, 6.0)], ended=7.0, max_steps=1)
+    text = table([summarise(quiet, [], None, None), summarise(arm, [], None, None)], [], None, 30.0)
+    assert "  on          1 step(s), 10.0 s; stolen 19.5 s" in text, text
+    assert "fault-free  0 step" not in text, text

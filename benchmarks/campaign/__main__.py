@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from rankscope.goodput import BUCKETS
 
 from benchmarks.timing import machine_line
 from devstack.jobs import TrainerJob
@@ -98,6 +99,10 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+#: CPU time stolen in an arm worth a line under the table (a second of it is noise on a shared host).
+STOLEN_NOTE_SECONDS = 1.0
+
+
 def table(summaries: list[ArmSummary], schedule: list[Fault], target: float | None, operator_delay: float) -> str:
     """The campaign's table, for a terminal (and benchmarks/README.md)."""
     ff = next((s for s in summaries if s.name == "fault-free"), None)
@@ -116,6 +121,12 @@ def table(summaries: list[ArmSummary], schedule: list[Fault], target: float | No
             f"{_fmt(s.seconds_to_target, '.0f', ' s'):>10} {_fmt(s.final_val_loss, '.4f'):>10} "
             f"{_fmt(versus, '+.1%'):>8} {len(s.false_alarms):>12}"
         )
+    stopped = [s for s in summaries if s.stalled_steps or (s.stolen_seconds or 0.0) >= STOLEN_NOTE_SECONDS]
+    if stopped:
+        lines += ["", "the machine stopped: steps past the hang threshold that ended by themselves (a hang to the "
+                      "ledger and the ground truth alike), CPU time the hypervisor took"]  # fmt: skip
+        lines += [f"  {s.name:<11} {s.stalled_steps} step(s), {s.stalled_seconds:.1f} s; "
+                  f"stolen {_fmt(s.stolen_seconds, '.1f', ' s')}" for s in stopped]  # fmt: skip
     for s in summaries:
         if not s.faults:
             continue
@@ -178,6 +189,13 @@ def goals(summaries: list[ArmSummary]) -> list[tuple[str, bool | None, str]]:
     return found
 
 
+def _buckets(s: ArmSummary) -> str:
+    """Where the ledger's and the run log's wall time went, side by side: where the two part."""
+    ledger = ", ".join(f"{b} {s.ledger_buckets.get(b, 0.0):.0f} s" for b in BUCKETS)
+    truth = ", ".join(f"{b} {v:.0f} s" for b, v in s.truth_buckets.items())
+    return f"ledger: {ledger}; run log: {truth}"
+
+
 def checks(summaries: list[ArmSummary]) -> list[str]:
     """What fails the campaign (see the module docstring)."""
     failed = []
@@ -188,7 +206,9 @@ def checks(summaries: list[ArmSummary]) -> list[str]:
         if s.goodput_ledger is None:
             failed.append(f"{s.name}: no goodput ledger")
         elif abs(s.goodput_ledger - s.goodput_truth) > GOODPUT_TOLERANCE:
-            failed.append(f"{s.name}: goodput ledger {s.goodput_ledger:.1%} vs truth {s.goodput_truth:.1%}")
+            failed.append(
+                f"{s.name}: goodput ledger {s.goodput_ledger:.1%} vs truth {s.goodput_truth:.1%} ({_buckets(s)})"
+            )
         for f in s.faults:
             failed += [f"{s.name}: {f.kind} @ {f.at_step}: {p}" for p in f.problems]
             wanted = runbook.get(f.alert or "", "")

@@ -103,6 +103,9 @@ class ArmRecord:
     checkpoints: list[str]
     """The checkpoint files left at the end."""
     unreadable_checkpoints: list[str] = field(default_factory=list)
+    stolen_seconds: float | None = None
+    """CPU time the hypervisor gave other machines while this arm ran (psutil's `steal`, all CPUs; None where
+    the OS does not count it): a machine that stops now and then shows here, and as stalls in the run log."""
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -191,6 +194,7 @@ def run_arm(
     operator = Operator(pager, control, operator_delay, run_id, job.log_file) if spec.operator else None
     events: list[dict[str, Any]] = []
     start = time.time()
+    stolen_before = _stolen()
     try:
         monitoring.start()
         if operator is not None:
@@ -225,6 +229,7 @@ def run_arm(
                 last_rank0 = rank0
             time.sleep(0.2)
         ended = time.time()
+        stolen_after = _stolen()
         with contextlib.suppress(psutil.Error):
             last_rank0.wait(0)
         alerts = _alert_stretches(monitoring, run_id, job.first_start, ended)
@@ -243,7 +248,14 @@ def run_arm(
         operator=operator.answered if operator else [], runner_events=events,
         ledger=json.loads(ledger_path.read_text()) if ledger_path.exists() else {},
         checkpoints=checkpoints, unreadable_checkpoints=unreadable,
+        stolen_seconds=stolen_after - stolen_before if stolen_after is not None and stolen_before is not None else None,
     )  # fmt: skip
+
+
+def _stolen() -> float | None:
+    """CPU seconds stolen by the hypervisor since boot, all CPUs together (None where the OS does not count it)."""
+    steal = getattr(psutil.cpu_times(), "steal", None)
+    return float(steal) if steal is not None else None
 
 
 def _wait(check: Any, timeout: float, what: str) -> Any:

@@ -8,6 +8,10 @@ Ground truth, from outside the library (the run log's per-step records and the r
   done and its loop begins) to its own end;
 - the steps that count are each step's last record (a restart, a resume or a rollback trains a step again,
   and only its last training is in the final model);
+- a step that counts whose time is past the hang threshold, max(`hang_floor_seconds`, `hang_step_multiple` x the
+  arm's median step), is a stall: a hang, as the hang alert and the ledger define it (rankscope.hang_threshold),
+  not training, though it ended by itself (a paused machine, an I/O stall). An incarnation's first step and a
+  step after a checkpoint or a validation are timed from that record and are never stalls, as in the ledger;
 - goodput is their time over the job's wall time: from the first rank 0 process's start (the OS's clock) to
   the run's end (the run log's last `finished` record). The linger and teardown after it, up to the last exit
   the runner saw (its clock), are reported beside as the tail: no bucket of the ledger's counts them either.
@@ -17,6 +21,7 @@ The ledger's goodput is (training - lost) / (every bucket but lost), as rankscop
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +78,15 @@ class ArmSummary:
     false_alarms: list[str]
     lost: list[str]
     """What was lost: steps missing from the log, checkpoints that do not load, a job that did not finish."""
+    stalled_seconds: float = 0.0
+    """Steps that count, past the hang threshold (the ground truth's hang): a machine that stopped."""
+    stalled_steps: int = 0
+    stolen_seconds: float | None = None
+    """CPU time the hypervisor took while the arm ran (ArmRecord.stolen_seconds)."""
+    truth_buckets: dict[str, float] = field(default_factory=dict)
+    """The ground truth's wall time by what the run log shows (truth_buckets())."""
+    ledger_buckets: dict[str, float] = field(default_factory=dict)
+    """The ledger's totals, by bucket."""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "faults": [f.__dict__ for f in self.faults]}
@@ -88,19 +102,77 @@ def _incarnations(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [sorted(part, key=lambda r: r["time"]) for part in parts]
 
 
-def step_times(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
-    """step -> (its last training's end, its duration), by the ground truth's rules (module docstring)."""
-    durations: dict[int, tuple[float, float]] = {}
+@dataclass(frozen=True)
+class _Training:
+    step: int
+    ended: float
+    seconds: float
+    """From the record before it in its incarnation (0 where there is none)."""
+    after_step: bool
+    """The record before it is a step's: a stall can be a hang (never after a start, a checkpoint, a validation)."""
+
+
+def _trainings(records: list[dict[str, Any]]) -> list[_Training]:
+    """Every training of every step, in each incarnation's time order."""
+    found: list[_Training] = []
     for part in _incarnations(records):
-        previous: float | None = None
+        previous: dict[str, Any] | None = None
         for record in part:
             kind = record.get("type")
             if kind == "train":
-                step = int(record["step"])
-                durations[step] = (record["time"], record["time"] - previous if previous is not None else 0.0)
+                seconds = record["time"] - previous["time"] if previous is not None else 0.0
+                after_step = previous is not None and previous.get("type") == "train"
+                found.append(_Training(int(record["step"]), record["time"], seconds, after_step))
+            if kind in ("start", "train", "val", "checkpoint"):
+                previous = record
+    return found
+
+
+def step_times(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """step -> (its last training's end, its duration), by the ground truth's rules (module docstring)."""
+    return {t.step: (t.ended, t.seconds) for t in _trainings(records)}
+
+
+def hang_threshold(records: list[dict[str, Any]]) -> float:
+    """The hang threshold the ground truth applies: max(floor, multiple x the arm's median step time), with the
+    shipped `hang_floor_seconds` and `hang_step_multiple`. The ledger and the alert follow the recent mean step
+    instead; on the campaign's steps (tens of milliseconds) both are the floor."""
+    tunables = Tunables()
+    steady = [t.seconds for t in _trainings(records) if t.after_step]
+    typical = statistics.median(steady) if steady else 0.0
+    return max(tunables.hang_floor_seconds, tunables.hang_step_multiple * typical)
+
+
+def stalls(records: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> its time, for the steps that count whose time is past the hang threshold (module docstring)."""
+    threshold = hang_threshold(records)
+    last = {t.step: t for t in _trainings(records)}
+    return {t.step: t.seconds for t in last.values() if t.after_step and t.seconds > threshold}
+
+
+def truth_buckets(arm: ArmRecord, end: float) -> dict[str, float]:
+    """The ground truth's wall time to `end`, by what the run log shows: what the failed check prints beside the
+    ledger's buckets, to say where the two part."""
+    trainings = _trainings(arm.records)
+    last = {t.step: t for t in trainings}
+    stalled = stalls(arm.records)
+    buckets = {
+        "steps kept": sum(t.seconds for t in last.values() if t.step not in stalled),
+        "stalls": sum(stalled.values(), 0.0),
+        "steps trained again": sum(t.seconds for t in trainings) - sum(t.seconds for t in last.values()),
+        "checkpoint": 0.0,
+        "validation": 0.0,
+    }
+    for part in _incarnations(arm.records):
+        previous: float | None = None
+        for record in part:
+            kind = record.get("type")
+            if kind in ("val", "checkpoint") and previous is not None:
+                buckets["validation" if kind == "val" else "checkpoint"] += record["time"] - previous
             if kind in ("start", "train", "val", "checkpoint"):
                 previous = record["time"]
-    return durations
+    between = (end - arm.started_at) - sum(buckets.values())
+    return {"start-up and restarts": between, **buckets}
 
 
 def target_loss(fault_free: ArmRecord) -> tuple[float, int]:
@@ -152,7 +224,9 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
     finished = [r["time"] for r in arm.records if r.get("type") == "finished"]
     end = max(finished) if finished else arm.ended_at
     wall = end - arm.started_at
-    productive = sum(duration for _, duration in times.values())
+    stalled_steps = stalls(arm.records)
+    stalled = sum(stalled_steps.values(), 0.0)
+    productive = sum(duration for _, duration in times.values()) - stalled
     totals = arm.ledger.get("totals", {})
     ledger_wall = sum(v for k, v in totals.items() if k != "lost")
     ledger = (totals.get("training", 0.0) - totals.get("lost", 0.0)) / ledger_wall if ledger_wall else None
@@ -185,7 +259,9 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
     return ArmSummary(
         name=arm.name, wall_seconds=wall, tail_seconds=arm.ended_at - end,
         goodput_truth=productive / wall if wall > 0 else 0.0,
-        goodput_ledger=ledger, seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
+        goodput_ledger=ledger, stalled_seconds=stalled, stalled_steps=len(stalled_steps),
+        stolen_seconds=arm.stolen_seconds, truth_buckets=truth_buckets(arm, end), ledger_buckets=totals,
+        seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
         faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times),
     )  # fmt: skip
 
