@@ -420,9 +420,9 @@ def test_a_kept_step_stalled_past_the_hang_threshold_is_a_hang_in_the_ground_tru
     assert summary.stalled_seconds == pytest.approx(10.0)
 
 
-def test_a_restarts_first_step_and_a_step_after_a_slow_checkpoint_are_never_stalls() -> None:
-    # The first step of an incarnation (compilation, a checkpoint load) and the step after a checkpoint are timed
-    # from their start or phase record, and neither is a hang however long the start-up or the save took.
+def test_a_restarts_first_step_is_never_a_stall_and_a_slow_checkpoint_is_a_checkpoint() -> None:
+    # The first step of an incarnation (compilation, a checkpoint load) is timed from its start record and is
+    # never a hang however long the start-up took; a 15 s save is the checkpoint's time, not the next step's.
     records = [
         {"type": "start", "time": 5.0},
         _train(1, 15.0),
@@ -434,6 +434,38 @@ def test_a_restarts_first_step_and_a_step_after_a_slow_checkpoint_are_never_stal
     summary = summarise(_arm("fault-free", records, ended=32.0, max_steps=3), [], None, None)
     assert summary.stalled_seconds == 0.0
     assert summary.goodput_truth == pytest.approx((10.0 + 0.5 + 0.5) / 31.0)
+
+
+def test_a_stall_right_after_a_checkpoint_is_a_hang_in_the_ground_truth_as_in_the_ledger() -> None:
+    # The ledger times a gap from the last activity, a checkpoint's end included: a machine that stops just after
+    # a save is a hang to it (and to the alert), so to the ground truth too.
+    from rankscope.goodput import GoodputLedger
+
+    now = [0.0]
+    ledger = GoodputLedger(None, process_start=0.0, clock=lambda: now[0])
+    ledger.first_step(5.0, 0)
+    records: list[dict] = [{"type": "start", "time": 5.0}]
+    at = 5.0
+    for step in range(1, 21):
+        seconds = 10.0 if step == 11 else 0.5  # step 11 starts right after the save of step 10, and stalls
+        at += seconds
+        now[0] = at
+        ledger.on_step(step, at, seconds)
+        records.append(_train(step, at))
+        if step == 10:
+            ledger.enter("checkpoint")
+            at += 1.0
+            now[0] = at
+            ledger.leave(10)
+            records.append({"type": "checkpoint", "step": 10, "time": at})
+    ledger.finish()
+    records.append({"type": "finished", "time": at})
+    arm = _arm("fault-free", records, ended=at + 1.0, max_steps=20)
+    arm.ledger = {"totals": ledger.totals(at)}
+    assert arm.ledger["totals"]["hang"] == pytest.approx(10.0)
+    summary = summarise(arm, [], None, None)
+    assert summary.stalled_seconds == pytest.approx(10.0)
+    assert summary.goodput_truth == pytest.approx(summary.goodput_ledger, abs=1e-9)
 
 
 def test_ledger_and_truth_disagreeing_says_where_bucket_by_bucket() -> None:

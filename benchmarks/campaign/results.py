@@ -10,8 +10,8 @@ Ground truth, from outside the library (the run log's per-step records and the r
   and only its last training is in the final model);
 - a step that counts whose time is past the hang threshold, max(`hang_floor_seconds`, `hang_step_multiple` x the
   arm's median step), is a stall: a hang, as the hang alert and the ledger define it (rankscope.hang_threshold),
-  not training, though it ended by itself (a paused machine, an I/O stall). An incarnation's first step and a
-  step after a checkpoint or a validation are timed from that record and are never stalls, as in the ledger;
+  not training, though it ended by itself (a paused machine, an I/O stall). An incarnation's first step, timed
+  from its `start` record, is never a stall, as in the ledger;
 - goodput is their time over the job's wall time: from the first rank 0 process's start (the OS's clock) to
   the run's end (the run log's last `finished` record). The linger and teardown after it, up to the last exit
   the runner saw (its clock), are reported beside as the tail: no bucket of the ledger's counts them either.
@@ -108,8 +108,8 @@ class _Training:
     ended: float
     seconds: float
     """From the record before it in its incarnation (0 where there is none)."""
-    after_step: bool
-    """The record before it is a step's: a stall can be a hang (never after a start, a checkpoint, a validation)."""
+    first: bool
+    """Its incarnation's first step, timed from the `start` record: never a hang (start-up, a checkpoint load)."""
 
 
 def _trainings(records: list[dict[str, Any]]) -> list[_Training]:
@@ -121,8 +121,8 @@ def _trainings(records: list[dict[str, Any]]) -> list[_Training]:
             kind = record.get("type")
             if kind == "train":
                 seconds = record["time"] - previous["time"] if previous is not None else 0.0
-                after_step = previous is not None and previous.get("type") == "train"
-                found.append(_Training(int(record["step"]), record["time"], seconds, after_step))
+                first = previous is None or previous.get("type") == "start"
+                found.append(_Training(int(record["step"]), record["time"], seconds, first))
             if kind in ("start", "train", "val", "checkpoint"):
                 previous = record
     return found
@@ -130,32 +130,32 @@ def _trainings(records: list[dict[str, Any]]) -> list[_Training]:
 
 def step_times(records: list[dict[str, Any]]) -> dict[int, tuple[float, float]]:
     """step -> (its last training's end, its duration), by the ground truth's rules (module docstring)."""
-    return {t.step: (t.ended, t.seconds) for t in _trainings(records)}
+    return _by_step(_trainings(records))
 
 
-def hang_threshold(records: list[dict[str, Any]]) -> float:
-    """The hang threshold the ground truth applies: max(floor, multiple x the arm's median step time), with the
-    shipped `hang_floor_seconds` and `hang_step_multiple`. The ledger and the alert follow the recent mean step
-    instead; on the campaign's steps (tens of milliseconds) both are the floor."""
+def _by_step(trainings: list[_Training]) -> dict[int, tuple[float, float]]:
+    return {t.step: (t.ended, t.seconds) for t in trainings}
+
+
+def _stalls(trainings: list[_Training]) -> dict[int, float]:
+    """step -> its time, for the steps that count whose time is past the hang threshold: max(floor, multiple x the
+    arm's median step), with the shipped `hang_floor_seconds` and `hang_step_multiple`. Computed here, not with
+    rankscope.hang_threshold, so that the ledger is checked against an independent reading: the ledger and the
+    alert follow the recent mean step instead, and on the campaign's steps (tens of milliseconds) both are the
+    floor."""
     tunables = Tunables()
-    steady = [t.seconds for t in _trainings(records) if t.after_step]
-    typical = statistics.median(steady) if steady else 0.0
-    return max(tunables.hang_floor_seconds, tunables.hang_step_multiple * typical)
+    steady = [t.seconds for t in trainings if not t.first]
+    threshold = max(tunables.hang_floor_seconds, tunables.hang_step_multiple * statistics.median(steady or [0.0]))
+    last = {t.step: t for t in trainings}
+    return {t.step: t.seconds for t in last.values() if not t.first and t.seconds > threshold}
 
 
-def stalls(records: list[dict[str, Any]]) -> dict[int, float]:
-    """step -> its time, for the steps that count whose time is past the hang threshold (module docstring)."""
-    threshold = hang_threshold(records)
-    last = {t.step: t for t in _trainings(records)}
-    return {t.step: t.seconds for t in last.values() if t.after_step and t.seconds > threshold}
-
-
-def truth_buckets(arm: ArmRecord, end: float) -> dict[str, float]:
+def _truth_buckets(
+    arm: ArmRecord, end: float, trainings: list[_Training], stalled: dict[int, float]
+) -> dict[str, float]:
     """The ground truth's wall time to `end`, by what the run log shows: what the failed check prints beside the
     ledger's buckets, to say where the two part."""
-    trainings = _trainings(arm.records)
     last = {t.step: t for t in trainings}
-    stalled = stalls(arm.records)
     buckets = {
         "steps kept": sum(t.seconds for t in last.values() if t.step not in stalled),
         "stalls": sum(stalled.values(), 0.0),
@@ -219,12 +219,13 @@ def _stopped_at(fault: Fault, arm: ArmRecord) -> float | None:
 
 def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | None, target: float | None) -> ArmSummary:
     faults = schedule if arm.name != "fault-free" else []
-    times = step_times(arm.records)
+    trainings = _trainings(arm.records)
+    times = _by_step(trainings)
     ff_times = step_times(fault_free.records) if fault_free is not None else {}
     finished = [r["time"] for r in arm.records if r.get("type") == "finished"]
     end = max(finished) if finished else arm.ended_at
     wall = end - arm.started_at
-    stalled_steps = stalls(arm.records)
+    stalled_steps = _stalls(trainings)
     stalled = sum(stalled_steps.values(), 0.0)
     productive = sum(duration for _, duration in times.values()) - stalled
     totals = arm.ledger.get("totals", {})
@@ -260,7 +261,8 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
         name=arm.name, wall_seconds=wall, tail_seconds=arm.ended_at - end,
         goodput_truth=productive / wall if wall > 0 else 0.0,
         goodput_ledger=ledger, stalled_seconds=stalled, stalled_steps=len(stalled_steps),
-        stolen_seconds=arm.stolen_seconds, truth_buckets=truth_buckets(arm, end), ledger_buckets=totals,
+        stolen_seconds=arm.stolen_seconds, ledger_buckets=totals,
+        truth_buckets=_truth_buckets(arm, end, trainings, stalled_steps),
         seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
         faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times),
     )  # fmt: skip
