@@ -72,6 +72,7 @@ IDENTITY = ("run_id", "rank", "local_rank", "node")
 RANK0_ONLY = (
     "rankscope_goodput_seconds_total",
     "rankscope_control_actions_total",
+    "rankscope_control_last_applied_timestamp_seconds",
     "rankscope_restart_lost_steps_total",
 )
 #: Sample names whose values a scenario sets rank by rank (Page.render's per-name tables).

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.campaign.replay import REPO, main, replay, rollbacks_applied, scrapes
+from benchmarks.campaign.replay import REPO, last_rollbacks, main, replay, scrapes
 
 RULES = REPO / "prometheus" / "rules"
 
@@ -69,7 +69,7 @@ def test_a_restart_is_a_gap_in_the_scrapes_and_a_hang_holds_the_last_steps_value
     assert losses[24] == 3.0
 
 
-def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_count(tmp_path: Path) -> None:
+def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_time(tmp_path: Path) -> None:
     before = _noisy(2.0)
     log = _log(tmp_path / "log.jsonl", lambda t: before(t) if t < 600 or t >= 690 else 10.0, 800, fault_at=600.0)
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -77,8 +77,12 @@ def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_count
     records.append({"type": "action", "action": "rollback", "result": "applied", "time": 1690.0})
     records.append({"type": "action", "action": "rollback", "result": "refused_cooldown", "time": 1700.0})
     log.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["time"])))
-    served = rollbacks_applied(records, 1001.0, 800)
-    assert served[688] is None and served[689] == 1.0 and served[-1] == 1.0  # born at the first, a refusal not counted
+    records.append({"type": "start", "time": 1750.0})  # a restarted process serves none until its own rollback
+    records.append({"type": "action", "action": "rollback", "result": "applied", "time": 1780.0})
+    served = last_rollbacks(records, 1001.0, 800)
+    assert served[688] is None and served[689] == 689.0  # from the first applied one, on promtool's clock
+    assert served[748] == 689.0  # a refusal is not an applied rollback
+    assert served[749] is None and served[778] is None and served[779] == 779.0 and served[-1] == 779.0
     result = replay(log, RULES)
     # Firing from the leap until the rollback: its 2m median holds the 90 s of 10 until 2 minutes after they began.
     assert len(result.firing) == 1, result.lines(300)

@@ -47,17 +47,24 @@ def test_the_pages_count_a_stop_as_the_loop_contract_says(control_job):
     # number of actions). Every rank counts the checkpoint it wrote for the stop. The docs now say what the
     # pages of a real 2-rank torchrun job show.
     import re
+    import time
 
     from tests.support import REPO, sample_value, samples
 
     job = control_job()
     job.wait_ready()
+    posted = time.time()
     job.post_action("stop")
     assert job.wait_exit() == 0  # the job leaves at once (channel.close()): its pages are in rank<r>.metrics.txt
+    exited = time.time()
     pages = {rank: samples((job.out / f"rank{rank}.metrics.txt").read_text()) for rank in (0, 1)}
     stop = {"action": "stop", "source": "operator", "result": "applied"}
     assert sample_value(pages[0], "rankscope_control_actions_total", **stop) == 1
-    assert not [name for name, _ in pages[1] if name == "rankscope_control_actions_total"]
+    # The rules' guards read when rank 0 applied it (a restarted process's counter is born at the old value).
+    applied_at = sample_value(pages[0], "rankscope_control_last_applied_timestamp_seconds", action="stop")
+    assert applied_at is not None and posted <= applied_at <= exited
+    for name in ("rankscope_control_actions_total", "rankscope_control_last_applied_timestamp_seconds"):
+        assert not [found for found, _ in pages[1] if found == name]
     assert all(sample_value(page, "rankscope_checkpoints_total", reason="stop") == 1 for page in pages.values())
 
     contract = (REPO / "docs" / "loop-contract.md").read_text()

@@ -248,8 +248,9 @@ def test_no_alert_reads_a_series_more_than_two_recording_levels_above_the_scrape
 def test_the_plateau_alerts_are_tickets_without_an_action_that_read_only_run_level_series():
     # A plateau is a person's call (no trainer action, no page), and at thousands of ranks the rules that
     # find it must cost a few series per run: no scraped (per-rank) series is read over their long windows. The
-    # control actions' counter is not per rank: rank 0 serves it, once per job (the plateau's rollback clause).
-    once_per_job = {promql.metric_name("control_actions_total")}
+    # time of the last applied control action is not per rank: rank 0 serves it, once per job (the plateau's
+    # rollback clause).
+    once_per_job = {promql.metric_name("control_last_applied_timestamp_seconds")}
     alerts = {rule["alert"]: rule for rule in ALERT_RULES}
     change = next(rule for rule in RECORDING_RULES if rule["record"] == promql.LOSS_CHANGE)
     for rule in (alerts["RankscopeLossPlateau"], alerts["RankscopeValLossPlateau"], change):

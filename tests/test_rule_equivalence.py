@@ -51,7 +51,8 @@ CHANGED_ON_PURPOSE = {
     "RankscopeRankHung": "the last step's age when scraped, not at evaluation (15 s scrapes paged healthy runs)",
     "RankscopeRunStalled": "also a first step that never ends (no phase change for stall_seconds; nothing fired)",
     "RankscopeSlowSteps": "local rank 0 of each node stands for its ranks (DDP: every rank's step is as long)",
-    "RankscopeLossPlateau": "not over a window a rollback cut into (the loop-off campaign arm at 757ef18)",
+    "RankscopeLossPlateau": "not over a window a rollback cut into (the loop-off campaign arm at 757ef18), a "
+    "restarted process's rollback too (the loop-off arm at 03deed7)",
 }
 
 

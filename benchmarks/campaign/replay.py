@@ -5,7 +5,7 @@
 The trainer logs rank 0's loss at every step. Each second (the campaign's scrape and evaluation interval) becomes
 one scrape of `rankscope_loss{split="train"}` and of `rankscope_last_step_timestamp_seconds`, holding the last
 step's values (through a hang too, as a hung rank serves them), or none from a process's last step to the next
-process's start (a restart: the target is down), and of rank 0's count of applied rollbacks (the log's action
+process's start (a restart: the target is down), and of the time of rank 0's last applied rollback (the log's action
 records: the alert ends with one). promtool then evaluates the rules of `rules/training.yml` (and
 `hangs.yml`, whose records it reads) over it at the same interval, and every second at which
 `RankscopeLossDiverging` was firing is read back from its report. The firing stretches are printed against the
@@ -33,7 +33,7 @@ import yaml
 
 from benchmarks.campaign.runlog import read_records
 
-__all__ = ["Replay", "firing_seconds", "replay", "rollbacks_applied", "scrapes"]
+__all__ = ["Replay", "firing_seconds", "replay", "last_rollbacks", "scrapes"]
 
 ALERT = "RankscopeLossDiverging"
 REPO = Path(__file__).resolve().parents[2]
@@ -81,10 +81,11 @@ def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None], l
     return first, losses, steps
 
 
-def rollbacks_applied(records: list[dict[str, Any]], first: float, count: int) -> list[float | None]:
-    """Rank 0's count of applied rollbacks at each of `count` scrapes a second from `first`, as its process served
-    `rankscope_control_actions_total{action="rollback", result="applied"}`: born at the process's first one (none
-    before), gone with the process (a restarted one counts from its own start)."""
+def last_rollbacks(records: list[dict[str, Any]], first: float, count: int) -> list[float | None]:
+    """What rank 0 served at each of `count` scrapes a second from `first` as
+    `rankscope_control_last_applied_timestamp_seconds{action="rollback"}`, the time of its process's last applied
+    rollback, counted from `first` (promtool's clock starts at 0): none before a process's first one, gone with
+    the process (a restarted one has none until its own)."""
     starts = sorted(r["time"] for r in records if r.get("type") == "start")
     applied = sorted(
         r["time"] for r in records if r.get("type") == "action" and r.get("action") == "rollback"
@@ -94,8 +95,8 @@ def rollbacks_applied(records: list[dict[str, Any]], first: float, count: int) -
     for i in range(count):
         t = first + i
         began = starts[bisect.bisect_right(starts, t) - 1] if bisect.bisect_right(starts, t) else -math.inf
-        done = bisect.bisect_right(applied, t) - bisect.bisect_left(applied, began)
-        out.append(float(done) if done > 0 else None)
+        latest = bisect.bisect_right(applied, t) - 1
+        out.append(applied[latest] - first if latest >= 0 and applied[latest] >= began else None)
     return out
 
 
@@ -141,7 +142,7 @@ def _stretches(seconds: list[int]) -> list[tuple[int, int]]:
 def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
     records = read_records(log)
     start, values, last_steps = scrapes(records)
-    served = rollbacks_applied(records, start, len(values))
+    served = last_rollbacks(records, start, len(values))
     rollbacks = [None if loss is None else count for loss, count in zip(values, served, strict=True)]
     faults: dict[str, float] = {}
     for r in records:
@@ -163,7 +164,7 @@ def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
                         "values": _series_values(last_steps),
                     },
                     {
-                        "series": f'rankscope_control_actions_total{{{target}, action="rollback", result="applied"}}',
+                        "series": f'rankscope_control_last_applied_timestamp_seconds{{{target}, action="rollback"}}',
                         "values": _series_values(rollbacks),
                     },
                 ],

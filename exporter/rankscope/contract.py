@@ -350,6 +350,14 @@ _SPECS: tuple[MetricSpec, ...] = (
         source="control",
     ),
     _m(
+        "control_last_applied_timestamp_seconds",
+        _G,
+        "Unix time at which rank 0 last applied each control action (in this process); appears at the first.",
+        unit="seconds",
+        labels=("action",),
+        source="control",
+    ),
+    _m(
         "skipped_batches_total",
         _C,
         "Batches of training data this rank skipped after a control rollback (one batch = the data of one "

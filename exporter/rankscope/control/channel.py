@@ -828,6 +828,8 @@ class ControlChannel:
         # Rank 0 only: the channel's decisions happen there, so a sum over ranks counts each once.
         check_result(result)  # the `result` label's values are the catalog's, and no others
         self._instruments.child(PREFIX + "control_actions_total", action=action, source=source, result=result).inc()
+        if result == "applied":  # the rules' guards read when, which a restarted process's counter cannot say
+            self._instruments.child(PREFIX + "control_last_applied_timestamp_seconds", action=action).set(time.time())
         state_changed()
 
 

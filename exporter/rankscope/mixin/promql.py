@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from rankscope import contract
+from rankscope.hang_threshold import duration_seconds
 
 RUN = "run_id"
 NODE = "run_id, node"
@@ -65,13 +66,13 @@ def counted_in_window(counter: str, window: str) -> str:
 
 
 def applied(action: str, window: str) -> str:
-    """Runs whose trainer applied `action` within `window` (rank 0 counts each settled action once). The
-    counter's series is born at its first increase, which increase() cannot see: a series with samples in the
-    window and none in the window before counts too. Both read ranges, not the instant value, so an action
-    applied just before a restart (whose page, and series, went with the old processes) still counts."""
-    done = f'{metric_name("control_actions_total")}{{action="{action}", result="applied"}}'
-    born = f"count_over_time({done}[{window}]) unless count_over_time({done}[{window}] offset {window})"
-    return f"max by ({RUN}) (\n  increase({done}[{window}]) > 0\n  or\n  ({born})\n)"
+    """Runs whose trainer applied `action` within `window`: rank 0 sets the time of each action it applied
+    (`control_last_applied_timestamp_seconds`). Read over the window, not the instant value, so that an action
+    applied just before a restart (whose page, and series, went with the old processes) still counts; a time
+    rather than the actions counter because a restarted process's counter is born again at the old value, and
+    its first action then reads as no growth (the loop-off campaign's plateau alert after a second rollback)."""
+    last = f'{metric_name("control_last_applied_timestamp_seconds")}{{action="{action}"}}'
+    return f"max by ({RUN}) (\n  max_over_time({last}[{window}]) > time() - {num(duration_seconds(window))}\n)"
 
 
 def present_ratio(numerator: str, denominator: str) -> str:
