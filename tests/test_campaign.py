@@ -498,3 +498,21 @@ def test_the_table_says_when_the_machine_stopped() -> None:
     text = table([summarise(quiet, [], None, None), summarise(arm, [], None, None)], [], None, 30.0)
     assert "  on          1 step(s), 10.0 s; stolen 19.5 s" in text, text
     assert "fault-free  0 step" not in text, text
+
+
+def test_a_low_goodput_alert_is_explained_by_the_ground_truths_hour_before_it_and_false_where_that_hour_was_good() -> (
+    None
+):
+    # The loop-off arm's RankscopeGoodputLow (the faults of its last hour, none alone) was a true alert counted as a
+    # false alarm: no single fault's window explains it. The ground truth's own goodput over the rule's window does.
+    # One-second steps from t=1 to 3600, a 1000 s stall (a hang) ending at 4600, then one-second steps to 5200.
+    records = [{"type": "start", "time": 0.0}, *[_train(s, float(s)) for s in range(1, 3601)]]
+    records += [_train(3601 + i, 4600.0 + i) for i in range(601)]
+    alerts = [
+        # The hour before 3500 s trained throughout: no fault explains it, and the ground truth does not either.
+        {"alertname": "RankscopeGoodputLow", "rank": "", "start": 3500.0, "end": 3700.0},
+        # The hour before 5000 s: 2200 s of steps, the stall, 400 s of steps (72 %, under the 90 % line).
+        {"alertname": "RankscopeGoodputLow", "rank": "", "start": 5000.0, "end": 5200.0},
+    ]
+    arm = _arm("off", records, alerts=alerts, ended=5201.0, max_steps=4201)
+    assert summarise(arm, [], None, None).false_alarms == ["RankscopeGoodputLow{rank=} at 3500 s"]
