@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.campaign.replay import REPO, last_rollbacks, main, replay, scrapes
+from benchmarks.campaign.replay import REPO, main, replay, rollbacks_served, scrapes, step_counts
 
 RULES = REPO / "prometheus" / "rules"
 
@@ -67,6 +67,9 @@ def test_a_restart_is_a_gap_in_the_scrapes_and_a_hang_holds_the_last_steps_value
     assert losses[10:19] == [2.0] * 9 and steps[10] == 9.5  # 111..119 s: the hung step's values, held
     assert losses[19:24] == [None] * 5 and steps[19:24] == [None] * 5  # 120..124 s: restarting
     assert losses[24] == 3.0
+    counts = step_counts(records, start, len(losses))  # each process counts its own steps, held through a hang
+    assert counts[0] == 1.0 and counts[9] == 1.0 and counts[10] == 2.0 and counts[18] == 2.0
+    assert counts[19] == 0.0 and counts[24] == 1.0
 
 
 def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_time(tmp_path: Path) -> None:
@@ -79,10 +82,10 @@ def test_the_alert_ends_with_an_applied_rollback_and_the_replay_serves_its_time(
     log.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["time"])))
     records.append({"type": "start", "time": 1750.0})  # a restarted process serves none until its own rollback
     records.append({"type": "action", "action": "rollback", "result": "applied", "time": 1780.0})
-    served = last_rollbacks(records, 1001.0, 800)
-    assert served[688] is None and served[689] == 689.0  # from the first applied one, on promtool's clock
-    assert served[748] == 689.0  # a refusal is not an applied rollback
-    assert served[749] is None and served[778] is None and served[779] == 779.0 and served[-1] == 779.0
+    served = rollbacks_served(records, 1001.0, 800)  # (count, time of the last) on promtool's clock
+    assert served[688] is None and served[689] == (1.0, 689.0) and served[748] == (1.0, 689.0)  # a refusal: none
+    assert served[749] is None and served[778] is None  # the restarted process has served none yet
+    assert served[779] == (1.0, 779.0) and served[-1] == (1.0, 779.0)  # its counter is born at 1 again
     result = replay(log, RULES)
     # Firing from the leap until the rollback: its 2m median holds the 90 s of 10 until 2 minutes after they began.
     assert len(result.firing) == 1, result.lines(300)

@@ -1,15 +1,16 @@
-"""Replay a campaign run's logged training losses through the divergence alert, as promtool evaluates it.
+"""Replay a campaign run's logged training losses through a loss alert, as promtool evaluates it.
 
-    python -m benchmarks.campaign.replay WORKDIR/on/log.jsonl [...] [--rules prometheus/rules]
+    python -m benchmarks.campaign.replay WORKDIR/on/log.jsonl [...] [--rules prometheus/rules] [--alert NAME]
 
 The trainer logs rank 0's loss at every step. Each second (the campaign's scrape and evaluation interval) becomes
-one scrape of `rankscope_loss{split="train"}` and of `rankscope_last_step_timestamp_seconds`, holding the last
-step's values (through a hang too, as a hung rank serves them), or none from a process's last step to the next
-process's start (a restart: the target is down), and of the time of rank 0's last applied rollback (the log's action
-records: the alert ends with one). promtool then evaluates the rules of `rules/training.yml` (and
-`hangs.yml`, whose records it reads) over it at the same interval, and every second at which
-`RankscopeLossDiverging` was firing is read back from its report. The firing stretches are printed against the
-run's faults: one that begins within `--attribution` seconds of a fault names it; any other is a false alarm.
+one scrape of what rank 0 served: `rankscope_loss{split="train"}`, `rankscope_last_step_timestamp_seconds` and
+`rankscope_steps_total`, holding the last step's values (through a hang too, as a hung rank serves them), or none
+from a process's last step to the next process's start (a restart: the target is down), and its applied rollbacks
+(the log's action records), counted and timed as the control channel serves them. promtool then evaluates the
+rule files the alert needs (`RULE_FILES`: `RankscopeLossDiverging`, the default, or `RankscopeLossPlateau`) over
+it at the same interval, and every second at which the alert was firing is read back from its report. The firing
+stretches are printed against the run's faults: one that begins within `--attribution` seconds of a fault names
+it; any other is a false alarm.
 
 This is a stand-in for the rank-averaged loss (rank 0's alone) on the rules as generated, not a copy of them:
 what a rule change would have done on runs already made, before a campaign runs it.
@@ -33,9 +34,15 @@ import yaml
 
 from benchmarks.campaign.runlog import read_records
 
-__all__ = ["Replay", "firing_seconds", "replay", "last_rollbacks", "scrapes"]
+__all__ = ["Replay", "firing_seconds", "replay", "rollbacks_served", "step_counts", "scrapes"]
 
 ALERT = "RankscopeLossDiverging"
+#: The alerts the replay can evaluate, and the rule files (of the generated rules) each needs: its own, and those
+#: recording what it reads.
+RULE_FILES = {
+    "RankscopeLossDiverging": ("hangs.yml", "training.yml"),
+    "RankscopeLossPlateau": ("hangs.yml", "training.yml", "performance.yml", "liveness.yml", "convergence.yml"),
+}
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -81,22 +88,36 @@ def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None], l
     return first, losses, steps
 
 
-def last_rollbacks(records: list[dict[str, Any]], first: float, count: int) -> list[float | None]:
-    """What rank 0 served at each of `count` scrapes a second from `first` as
-    `rankscope_control_last_applied_timestamp_seconds{action="rollback"}`, the time of its process's last applied
-    rollback, counted from `first` (promtool's clock starts at 0): none before a process's first one, gone with
-    the process (a restarted one has none until its own)."""
+def rollbacks_served(records: list[dict[str, Any]], first: float, count: int) -> list[tuple[float, float] | None]:
+    """What rank 0 served at each of `count` scrapes a second from `first`, as its process served them: the count of
+    its applied rollbacks (`rankscope_control_actions_total{action="rollback", result="applied"}`) and the time of
+    the last (`rankscope_control_last_applied_timestamp_seconds{action="rollback"}`), counted from `first`
+    (promtool's clock starts at 0). None before a process's first one; gone with the process (a restarted one
+    has none until its own, and counts from its own start)."""
     starts = sorted(r["time"] for r in records if r.get("type") == "start")
     applied = sorted(
         r["time"] for r in records if r.get("type") == "action" and r.get("action") == "rollback"
         and r.get("result") == "applied"
     )  # fmt: skip
+    out: list[tuple[float, float] | None] = []
+    for i in range(count):
+        t = first + i
+        began = starts[bisect.bisect_right(starts, t) - 1] if bisect.bisect_right(starts, t) else -math.inf
+        done = bisect.bisect_right(applied, t) - bisect.bisect_left(applied, began)
+        out.append((float(done), applied[bisect.bisect_right(applied, t) - 1] - first) if done > 0 else None)
+    return out
+
+
+def step_counts(records: list[dict[str, Any]], first: float, count: int) -> list[float | None]:
+    """What rank 0 served at each of `count` scrapes a second from `first` as `rankscope_steps_total`: the steps its
+    process has trained (a restarted one counts from its own start)."""
+    starts = sorted(r["time"] for r in records if r.get("type") == "start")
+    trained = sorted(r["time"] for r in records if r.get("type") == "train")
     out: list[float | None] = []
     for i in range(count):
         t = first + i
         began = starts[bisect.bisect_right(starts, t) - 1] if bisect.bisect_right(starts, t) else -math.inf
-        latest = bisect.bisect_right(applied, t) - 1
-        out.append(applied[latest] - first if latest >= 0 and applied[latest] >= began else None)
+        out.append(float(bisect.bisect_right(trained, t) - bisect.bisect_left(trained, began)))
     return out
 
 
@@ -118,12 +139,12 @@ def _duration(text: str) -> int:
     return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([hms])", text))
 
 
-def firing_seconds(report: str) -> list[int]:
+def firing_seconds(report: str, alert: str = ALERT) -> list[int]:
     """The eval times at which promtool got the alert firing where the test expected none."""
     seconds = []
     for block in re.split(r"\n\s*alertname: ", report)[1:]:
         head, _, rest = block.partition("\n")
-        match = re.match(rf"{ALERT}, time: (\S+?),", head)
+        match = re.match(rf"{alert}, time: (\S+?),", head)
         if match and "Labels:" in rest.split("got:", 1)[-1]:
             seconds.append(_duration(match.group(1)))
     return sorted(seconds)
@@ -139,11 +160,13 @@ def _stretches(seconds: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
+def replay(log: Path, rules_dir: Path, promtool: str = "promtool", alert: str = ALERT) -> Replay:
     records = read_records(log)
     start, values, last_steps = scrapes(records)
-    served = last_rollbacks(records, start, len(values))
-    rollbacks = [None if loss is None else count for loss, count in zip(values, served, strict=True)]
+    served = [None if loss is None else rollbacks for loss, rollbacks in
+              zip(values, rollbacks_served(records, start, len(values)), strict=True)]  # fmt: skip
+    counted = step_counts(records, start, len(values))
+    steps_total = [None if loss is None else count for loss, count in zip(values, counted, strict=True)]
     faults: dict[str, float] = {}
     for r in records:
         if r.get("type") == "fault":
@@ -152,7 +175,7 @@ def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
     labels = f'{target}, split="train"'
     test = {
         # The hang group records how old the run's last step is, which the alert reads.
-        "rule_files": [str((rules_dir / name).resolve()) for name in ("hangs.yml", "training.yml")],
+        "rule_files": [str((rules_dir / name).resolve()) for name in RULE_FILES[alert]],
         "evaluation_interval": "1s",
         "tests": [
             {
@@ -164,12 +187,17 @@ def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
                         "values": _series_values(last_steps),
                     },
                     {
-                        "series": f'rankscope_control_last_applied_timestamp_seconds{{{target}, action="rollback"}}',
-                        "values": _series_values(rollbacks),
+                        "series": f'rankscope_control_actions_total{{{target}, action="rollback", result="applied"}}',
+                        "values": _series_values([None if r is None else r[0] for r in served]),
                     },
+                    {
+                        "series": f'rankscope_control_last_applied_timestamp_seconds{{{target}, action="rollback"}}',
+                        "values": _series_values([None if r is None else r[1] for r in served]),
+                    },
+                    {"series": f"rankscope_steps_total{{{target}}}", "values": _series_values(steps_total)},
                 ],
                 "alert_rule_test": [
-                    {"alertname": ALERT, "eval_time": f"{s}s", "exp_alerts": []} for s in range(len(values))
+                    {"alertname": alert, "eval_time": f"{s}s", "exp_alerts": []} for s in range(len(values))
                 ],
             }
         ],
@@ -180,9 +208,9 @@ def replay(log: Path, rules_dir: Path, promtool: str = "promtool") -> Replay:
         done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
     report = done.stdout + done.stderr
     # A rule file it cannot find is only a warning to promtool, and every expectation of silence then holds.
-    if "no file match" in report or done.returncode != 0 and f"alertname: {ALERT}" not in report:
+    if "no file match" in report or done.returncode != 0 and f"alertname: {alert}" not in report:
         raise RuntimeError(f"promtool could not run the replay: {report.strip()[:500]}")
-    firing = _stretches(firing_seconds(report))
+    firing = _stretches(firing_seconds(report, alert))
     return Replay(start, sorted(faults.items(), key=lambda item: item[1]), firing)
 
 
@@ -191,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("logs", nargs="+", type=Path, help="a campaign arm's log.jsonl")
     parser.add_argument("--rules", type=Path, default=REPO / "prometheus" / "rules", help="rules directory")
     parser.add_argument("--attribution", type=float, default=300.0, help="seconds after a fault that name it")
+    parser.add_argument("--alert", choices=sorted(RULE_FILES), default=ALERT, help="the alert to replay")
     args = parser.parse_args(argv)
     promtool = shutil.which("promtool")
     if promtool is None:
         print("replay: error: promtool not found on PATH", file=sys.stderr)
         return 2
-    for name in ("hangs.yml", "training.yml"):
+    for name in RULE_FILES[args.alert]:
         if not (args.rules / name).exists():
             print(f"replay: error: {args.rules / name} does not exist", file=sys.stderr)
             return 2
@@ -206,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"replay: error: {log} does not exist", file=sys.stderr)
             return 2
         try:
-            result = replay(log, args.rules, promtool)
+            result = replay(log, args.rules, promtool, args.alert)
         except (OSError, ValueError, RuntimeError) as exc:
             print(f"replay: error: {log}: {exc}", file=sys.stderr)
             return 2
