@@ -339,8 +339,9 @@ def test_the_stack_rules_and_dashboards_find_every_metric_they_query(controlled_
     assert wanted, "no rankscope metric found in prometheus/rules or grafana/dashboards"
     pages = controlled_run["pages"]
     assert wanted - contract_families(pages[0]) == set()
-    # The channel counts its decisions where it makes them, on rank 0 only.
-    assert wanted - {"rankscope_control_actions_total"} - contract_families(pages[1]) == set()
+    # The channel counts and times its decisions where it makes them, on rank 0 only.
+    rank0_only = {"rankscope_control_actions_total", "rankscope_control_last_applied_timestamp_seconds"}
+    assert wanted - rank0_only - contract_families(pages[1]) == set()
 
 
 def test_without_a_control_token_the_run_stops_with_one_line_and_no_traceback(tmp_path):
