@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rankscope.mixin.config import Tunables, apply_overrides
 
 from benchmarks.campaign.arm import ARMS, ArmRecord, rules_for
 from benchmarks.campaign.operator import Operator, runbook_actions
@@ -516,3 +517,8 @@ def test_a_low_goodput_alert_is_explained_by_the_ground_truths_hour_before_it_an
     ]
     arm = _arm("off", records, alerts=alerts, ended=5201.0, max_steps=4201)
     assert summarise(arm, [], None, None).false_alarms == ["RankscopeGoodputLow{rank=} at 3500 s"]
+    # Judged by the arm's own rules: generated with a 70 % line, the 72 % hour is no low goodput either.
+    lower = apply_overrides(Tunables(), ["goodput_ratio=0.7"])
+    assert summarise(arm, [], None, None, lower).false_alarms == [
+        "RankscopeGoodputLow{rank=} at 3500 s", "RankscopeGoodputLow{rank=} at 5000 s"
+    ]  # fmt: skip

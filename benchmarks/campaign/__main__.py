@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 from rankscope.goodput import BUCKETS
+from rankscope.mixin.config import Tunables, apply_overrides
 
 from benchmarks.timing import machine_line
 from devstack.jobs import TrainerJob
@@ -338,7 +339,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"campaign: {name} done in {time.time() - began:.0f} s ({workdir / name}.json)", flush=True)
         fault_free = records.get("fault-free")
         target = target_loss(fault_free)[0] if fault_free else None
-        summaries = [summarise(records[n], schedule, fault_free, target) for n in arms]
+        rules = {n: apply_overrides(Tunables(), [*ARMS[n].rule_settings, *extra_rules]) for n in arms}
+        summaries = [summarise(records[n], schedule, fault_free, target, rules[n]) for n in arms]
         print(table(summaries, schedule, target, args.operator_delay))
         reached = goals(summaries)
         for goal, met, figure in reached:

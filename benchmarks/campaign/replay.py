@@ -65,6 +65,17 @@ class Replay:
         return out
 
 
+def _starts(records: list[dict[str, Any]]) -> list[float]:
+    """When each process began (its `start` record), in order."""
+    return sorted(r["time"] for r in records if r.get("type") == "start")
+
+
+def _process_start(starts: list[float], t: float) -> float:
+    """When the process serving at `t` began (-inf before the first)."""
+    index = bisect.bisect_right(starts, t)
+    return starts[index - 1] if index else -math.inf
+
+
 def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None], list[float | None]]:
     """(time of the first scrape, then one value a second of the loss and of the last step's time, the latter
     from the first scrape): what rank 0 served. Between two steps, and through a hang, the last step's values
@@ -74,7 +85,7 @@ def scrapes(records: list[dict[str, Any]]) -> tuple[float, list[float | None], l
     if not train:
         raise ValueError("no training steps in the log")
     times = [t for t, _ in train]
-    starts = sorted(r["time"] for r in records if r.get("type") == "start")
+    starts = _starts(records)
     first = float(int(times[0]) + 1)
     losses: list[float | None] = []
     steps: list[float | None] = []
@@ -94,7 +105,7 @@ def rollbacks_served(records: list[dict[str, Any]], first: float, count: int) ->
     the last (`rankscope_control_last_applied_timestamp_seconds{action="rollback"}`), counted from `first`
     (promtool's clock starts at 0). None before a process's first one; gone with the process (a restarted one
     has none until its own, and counts from its own start)."""
-    starts = sorted(r["time"] for r in records if r.get("type") == "start")
+    starts = _starts(records)
     applied = sorted(
         r["time"] for r in records if r.get("type") == "action" and r.get("action") == "rollback"
         and r.get("result") == "applied"
@@ -102,21 +113,22 @@ def rollbacks_served(records: list[dict[str, Any]], first: float, count: int) ->
     out: list[tuple[float, float] | None] = []
     for i in range(count):
         t = first + i
-        began = starts[bisect.bisect_right(starts, t) - 1] if bisect.bisect_right(starts, t) else -math.inf
-        done = bisect.bisect_right(applied, t) - bisect.bisect_left(applied, began)
-        out.append((float(done), applied[bisect.bisect_right(applied, t) - 1] - first) if done > 0 else None)
+        began = _process_start(starts, t)
+        upto = bisect.bisect_right(applied, t)
+        done = upto - bisect.bisect_left(applied, began)
+        out.append((float(done), applied[upto - 1] - first) if done > 0 else None)
     return out
 
 
 def step_counts(records: list[dict[str, Any]], first: float, count: int) -> list[float | None]:
     """What rank 0 served at each of `count` scrapes a second from `first` as `rankscope_steps_total`: the steps its
     process has trained (a restarted one counts from its own start)."""
-    starts = sorted(r["time"] for r in records if r.get("type") == "start")
+    starts = _starts(records)
     trained = sorted(r["time"] for r in records if r.get("type") == "train")
     out: list[float | None] = []
     for i in range(count):
         t = first + i
-        began = starts[bisect.bisect_right(starts, t) - 1] if bisect.bisect_right(starts, t) else -math.inf
+        began = _process_start(starts, t)
         out.append(float(bisect.bisect_right(trained, t) - bisect.bisect_left(trained, began)))
     return out
 

@@ -40,9 +40,8 @@ GRACE_SECONDS = 5.0
 #: How long after a lasting fault stopped acting (its `fault_end`) its alert may still start: the shipped rules'
 #: rates reach back `rate_window`, and a slow group is evaluated every `slow_interval`.
 SETTLE_SECONDS = duration_seconds(Tunables().rate_window) + duration_seconds(Tunables().slow_interval) + GRACE_SECONDS
-#: The run-level alert on goodput over the last `goodput_window`, and the line under which it fires.
+#: The run-level alert on goodput over the last `goodput_window` (under `goodput_ratio`).
 GOODPUT_ALERT = "RankscopeGoodputLow"
-GOODPUT_LINE = Tunables().goodput_ratio
 
 
 @dataclass
@@ -220,7 +219,14 @@ def _stopped_at(fault: Fault, arm: ArmRecord) -> float | None:
     return max(ended) if ended else None
 
 
-def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | None, target: float | None) -> ArmSummary:
+def summarise(
+    arm: ArmRecord,
+    schedule: list[Fault],
+    fault_free: ArmRecord | None,
+    target: float | None,
+    tunables: Tunables | None = None,
+) -> ArmSummary:
+    """The arm's figures; `tunables` are its rules' (the shipped ones by default), which judge its run-level alerts."""
     faults = schedule if arm.name != "fault-free" else []
     trainings = _trainings(arm.records)
     times = _by_step(trainings)
@@ -254,7 +260,7 @@ def summarise(arm: ArmRecord, schedule: list[Fault], fault_free: ArmRecord | Non
     outcomes = [_outcome(arm, fault, start, (alert_ends[fault.id], stopped[fault.id]), end, end_step, times,
                          ff_times, redone) for fault, start, end, end_step in windows]  # fmt: skip
     false_alarms = _false_alarms(arm, [(fault, start, alert_ends[fault.id]) for fault, start, _, _ in windows],
-                                 trainings, stalled_steps)  # fmt: skip
+                                 times, stalled_steps, tunables or Tunables())  # fmt: skip
     val_loss, val_step = _final_val(arm)
     to_target = None
     if target is not None:
@@ -336,13 +342,14 @@ def _outcome(
 def _false_alarms(
     arm: ArmRecord,
     windows: list[tuple[Fault, float | None, float]],
-    trainings: list[_Training],
+    times: dict[int, tuple[float, float]],
     stalled: dict[int, float],
+    tunables: Tunables,
 ) -> list[str]:
     """Alerts no fault explains: outside every fault's window (to when its alert may come), or of a name its fault
     does not explain. A low-goodput alert judges the run's last `goodput_window`, the sum of every fault in it and
-    none alone: it is explained where the ground truth's goodput over that window was under the line too (within
-    the ledger's tolerance)."""
+    none alone: it is explained where the ground truth's goodput over that window was under the rules' line too
+    (within the ledger's tolerance)."""
     found = []
     for alert in arm.alerts:
         explained = any(
@@ -351,23 +358,26 @@ def _false_alarms(
             for fault, start, end in windows
         )  # fmt: skip
         if alert["alertname"] == GOODPUT_ALERT:
-            explained = _window_goodput(arm, trainings, stalled, alert["start"]) < GOODPUT_LINE + GOODPUT_TOLERANCE
+            window = duration_seconds(tunables.goodput_window)
+            truth = _window_goodput(arm, times, stalled, alert["start"] - window, alert["start"])
+            explained = truth < tunables.goodput_ratio + GOODPUT_TOLERANCE
         if not explained:
             at = alert["start"] - arm.started_at
             found.append(f"{alert['alertname']}{{rank={alert['rank']}}} at {at:.0f} s")
     return found
 
 
-def _window_goodput(arm: ArmRecord, trainings: list[_Training], stalled: dict[int, float], end: float) -> float:
-    """The ground truth's goodput over the low-goodput alert's window before `end` (from the job's start where it
-    began before): the time of the steps that count, and did not stall, within the window, over its length."""
-    start = max(arm.started_at, end - duration_seconds(Tunables().goodput_window))
+def _window_goodput(
+    arm: ArmRecord, times: dict[int, tuple[float, float]], stalled: dict[int, float], start: float, end: float
+) -> float:
+    """The ground truth's goodput from `start` (the job's start where that is later) to `end`: the time of the
+    steps that count, and did not stall, within it, over its length."""
+    start = max(arm.started_at, start)
     if end <= start:
         return 1.0
-    last = {t.step: t for t in trainings}
     kept = sum(
-        max(0.0, min(t.ended, end) - max(t.ended - t.seconds, start))
-        for t in last.values() if t.step not in stalled
+        max(0.0, min(ended, end) - max(ended - seconds, start))
+        for step, (ended, seconds) in times.items() if step not in stalled
     )  # fmt: skip
     return kept / (end - start)
 
