@@ -23,7 +23,7 @@ UNDER_TORCHRUN = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT"
 class Incarnation:
     """Rank 0 of one incarnation: its queue, snapshot, counted outcomes and exit."""
 
-    def __init__(self, state_dir, env, clock=lambda: 1000.0, peers=None, **settings):
+    def __init__(self, state_dir, env, clock=lambda: 1000.0, peers=None, in_flight=None, **settings):
         self.queue, self.snapshot = ActionQueue(), RunSnapshot()
         self.events: list[str] = []
         self.counted: list[tuple[str, str, str]] = []
@@ -34,7 +34,7 @@ class Incarnation:
         self.restarter = Restarter(
             config, self.queue, self.snapshot, peers=peers or (lambda: {}), token=TOKEN,
             count=lambda *outcome: self.counted.append(outcome), lost=self.lost.append, env=env, clock=clock,
-            leave=self._leave, before_exit=lambda: self.events.append("before_exit"),
+            leave=self._leave, before_exit=lambda: self.events.append("before_exit"), in_flight=in_flight,
         )  # fmt: skip
         self.app = create_app(AppDeps(self.queue, self.snapshot, TOKEN, immediate=self.restarter.submit))
 
@@ -202,3 +202,39 @@ def test_a_restart_holds_rank_0_s_training_thread_at_its_next_boundary_and_recor
         assert thread.is_alive() and exit_step == held_at[-1], (exit_step, held_at[-3:])
     finally:
         stop.set()
+
+
+def test_rank_0_waiting_in_a_collective_is_not_waited_for_at_a_step_boundary(wsgi_call, tmp_path, monkeypatch):
+    """A hang's restart: rank 0 waits in the collective its hung peer never joins, so it reaches no step
+    boundary until the group exits. It has waited there longer than the boundary wait already: the restart
+    does not wait again (the campaign's hangs spent 2 s each in it), and the exit step is the step it is at."""
+    monkeypatch.setattr("rankscope.control.restart._FREEZE_WAIT_SECONDS", 3600.0)  # only an exit could end it
+    collective = {"kind": "all_reduce", "dim": "data", "group": "0", "since": 1000.0 - 9.5}
+    rank0 = Incarnation(tmp_path, UNDER_TORCHRUN, in_flight=lambda: collective)
+    rank0.snapshot.update(step=40)
+    status, _, body = wsgi_call(rank0.app, "POST", "/v1/actions", {"action": "restart", "reason": "hung"}, AUTH)
+    assert status == 202 and rank0.left.wait(10), "the restart waited for a boundary rank 0 cannot reach"
+    assert json.loads((tmp_path / LEDGER_FILE).read_text())["pending"]["exit_step"] == 40
+    [record] = rank0.pending()
+    assert "rank 0 has waited 9.5 s in all_reduce (data): no step boundary to wait for" in record["detail"], record
+    second = Incarnation(tmp_path, {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": "1"})
+    second.restarter.after_step(37)  # resumed from the checkpoint at step 36
+    [settled] = second.recent()
+    assert "4 step(s) after the newest checkpoint lost (exited at step 40; rank 0 has waited 9.5 s" in settled["detail"]
+
+
+def test_a_collective_younger_than_the_boundary_wait_is_waited_out(wsgi_call, tmp_path, monkeypatch):
+    """A loop that is not hung is in a collective most of the time: a young one is no reason to skip the wait
+    that stops it at its next boundary."""
+    monkeypatch.setattr("rankscope.control.restart._FREEZE_WAIT_SECONDS", 3600.0)
+    collective = {"kind": "all_reduce", "dim": "data", "group": "0", "since": 1000.0 - 0.2}
+    rank0 = Incarnation(tmp_path, UNDER_TORCHRUN, in_flight=lambda: collective)
+    rank0.snapshot.update(step=40)
+    wsgi_call(rank0.app, "POST", "/v1/actions", {"action": "restart", "reason": "test"}, AUTH)
+    assert rank0.restarter._freeze.wait(10)  # the stacks are written; the training thread is to be held
+    assert not rank0.left.wait(0.2)  # waiting for the boundary (a restart that skipped it has exited by now)
+    rank0.snapshot.update(step=41)
+    held = threading.Thread(target=rank0.restarter.after_step, args=(41,), daemon=True)
+    held.start()  # the training thread reaches its boundary: held there, and the group exits
+    assert rank0.left.wait(10)
+    assert json.loads((tmp_path / LEDGER_FILE).read_text())["pending"]["exit_step"] == 41

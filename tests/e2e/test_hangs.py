@@ -71,6 +71,8 @@ def test_a_hung_rank_is_named_its_stacks_written_and_the_job_trains_again(stack,
     (restart,) = st.wait(lambda: st.settled("restart"), "the restart applied by the new incarnation", 240)
     training_again = restart["settled_at"] - hung_at
     assert restart["source"] == "alert" and f"{LOST} step(s) after the newest checkpoint lost" in restart["detail"]
+    # Rank 0 waited in the all-reduce its hung peer never joined: the restart did not wait for a boundary too.
+    assert "s in all_reduce (data): no step boundary to wait for" in restart["detail"], restart["detail"]
 
     # Both ranks' stacks, taken while hung, beside the checkpoints; rank 1's shows where it blocks.
     (text,) = job.checkpoint_dir.glob("rankscope-stacks-restart-*.txt")

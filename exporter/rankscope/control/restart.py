@@ -59,6 +59,8 @@ LEDGER_FILE = "rankscope-restart.json"
 #: Seconds a restart waits for rank 0's training thread to reach its next step boundary and stop there (a
 #: hung one never does; a step longer than this is caught by the exit step's second reading).
 _FREEZE_WAIT_SECONDS = 2.0
+#: Rank 0 in one collective this long waits for a peer (the hung one): the boundary wait is skipped.
+_STUCK_COLLECTIVE_SECONDS = 2.0
 #: Seconds rank 0 waits after telling the others, so its own 202 answer and their exits go out first.
 _GRACE_SECONDS = 0.3
 #: Idempotency keys of restart alerts remembered across incarnations (an alert re-sent to the new
@@ -213,11 +215,14 @@ class Restarter:
             logger.warning("rankscope: restart %s: stacks in %s: %s", record.id, path, render(fold(by_rank), False))
             # A loop that is not hung trains on meanwhile: rank 0's training thread is held at its next step
             # boundary (the others then wait in their next collective), so the step read here is the step the
-            # group exits at. A hung rank 0 never arrives; its step does not move either.
+            # group exits at. A hung rank 0 never arrives; its step does not move either. Rank 0 long in a
+            # collective waits for the hung peer: no boundary comes before the exit, so none is waited for.
             self._thawed.clear()
             self._frozen.clear()
             self._freeze.set()
-            self._frozen.wait(_FREEZE_WAIT_SECONDS)
+            waiting = _waiting_in_collective(by_rank[0], self._clock())
+            if waiting is None:
+                self._frozen.wait(_FREEZE_WAIT_SECONDS)
             step = int(self._snapshot.read()["step"])
             self.ledger.pending = {
                 **record.to_json(),
@@ -226,10 +231,12 @@ class Restarter:
                 "exited_at": self._clock(),
                 "restart_count": int(self._env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "stacks": str(path),
+                "rank0_waiting": waiting,
             }
             self.ledger.last_exit_at = self.ledger.pending["exited_at"]
             self.ledger.save(self._state_dir)
-            self._queue.note(record, f"every rank exits with status {RESTART_EXIT_STATUS} at step {step}")
+            note = f"every rank exits with status {RESTART_EXIT_STATUS} at step {step}"
+            self._queue.note(record, note if waiting is None else f"{note} ({waiting})")
         except Exception as exc:  # nothing left the run: say so, and let a later request try again
             logger.exception("rankscope: restart %s failed before any rank left", record.id)
             with self._lock:
@@ -289,7 +296,9 @@ class Restarter:
         self._lost(lost)
         detail = (
             f"the restarted group trained step {step} from step {resumed_from}; {lost} step(s) after the newest "
-            f"checkpoint lost (exited at step {pending['exit_step']}); stacks in {pending['stacks']}"
+            f"checkpoint lost (exited at step {pending['exit_step']}"
+            + (f"; {pending['rank0_waiting']}" if pending.get("rank0_waiting") else "")
+            + f"); stacks in {pending['stacks']}"
         )
         logger.warning("rankscope: restart %s applied: %s", self._resumed.id, detail)
         self._settle(self._resumed, "applied", detail, step)
@@ -302,6 +311,23 @@ class Restarter:
         if result != "applied":
             logger.warning("rankscope: control %s restart (%s): %s %s", settled.id, settled.reason, result, detail)
         return settled
+
+
+def _waiting_in_collective(stacks: Mapping[str, Any], now: float) -> str | None:
+    """The note "rank 0 has waited N s in <kind> (<dim>): ..." when rank 0's stacks show a collective in flight for
+    `_STUCK_COLLECTIVE_SECONDS` or more: it waits for a peer (the hung one a restart is for) and reaches no step
+    boundary before the exit, so waiting for one only adds to the hang. None otherwise: a young collective is
+    a loop that is training, which the wait stops at its next boundary."""
+    collective = stacks.get("collective")
+    if not isinstance(collective, Mapping) or not isinstance(collective.get("since"), int | float):
+        return None
+    waited = now - float(collective["since"])
+    if waited < _STUCK_COLLECTIVE_SECONDS:
+        return None
+    return (
+        f"rank 0 has waited {waited:.1f} s in {collective.get('kind', 'a collective')} ({collective.get('dim', '?')}):"
+        " no step boundary to wait for"
+    )
 
 
 def tell_peers_to_leave(peers: Mapping[int, str], token: str | None, timeout: float = 2.0) -> None:
