@@ -35,6 +35,7 @@ from rankscope.control import ControlStartError
 from rankscope_trainer.checkpoint import CheckpointError
 from rankscope_trainer.config import ConfigError, add_overrides_option, load_config
 from rankscope_trainer.data import DataError
+from rankscope_trainer.fork_server import start_fork_server
 from rankscope_trainer.lost_peer import lost_peer, report_lost_peer
 
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         from rankscope_trainer.loop import Trainer  # after the config check, so a typo fails before transformers loads
 
+        if config.data.num_workers > 0:  # now: every module imported, no thread started yet
+            start_fork_server()
         trainer = Trainer(config, resume=args.resume)
         trainer.fit()
     except (ConfigError, DataError, CheckpointError, ControlStartError, MetricsPortInUse) as exc:

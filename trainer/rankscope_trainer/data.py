@@ -68,12 +68,13 @@ def worker_context() -> multiprocessing.context.BaseContext:
     forked from it inherits every lock one of them holds at that instant, held for ever: a module another
     thread is importing, a stream it is writing. That worker never returns a batch, and the job hangs
     before its first step (seen in a 2-rank run; tests/test_trainer_data_workers.py reproduces it).
-    The fork server is a fresh interpreter that imports this module (torch with it) once; each worker is
-    then forked from it in milliseconds (`spawn` would import torch again in every worker). The server is
-    started and waited for here, as the data are built: those seconds are the run's start-up, not its
-    first batch's wait for data. The loader's `WorkerInit` ends the workers with their rank. The data
-    are the same: the sampler runs in the rank and each worker's seed comes from the loader's generator,
-    whatever starts the worker.
+    The fork server is a fresh interpreter that imports this module (torch with it) once, or, in the reference
+    trainer, a fork of the rank taken before its first thread (`rankscope_trainer.fork_server`: no import at
+    all); each worker is then forked from it in milliseconds (`spawn` would import torch again in every
+    worker). The server is started (unless it runs already) and waited for here, as the data are built:
+    those seconds are the run's start-up, not its first batch's wait for data. The loader's `WorkerInit` ends
+    the workers with their rank. The data are the same: the sampler runs in the rank and each worker's seed
+    comes from the loader's generator, whatever starts the worker.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
