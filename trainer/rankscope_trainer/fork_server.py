@@ -5,7 +5,9 @@ never from the rank). Python's fork server is a fresh interpreter that imports t
 torchvision with it, before it can fork the first worker: about 4 s of CPU on every start and every restart of
 every rank, on the path to the first step (5 s of each 13 s restart of the fault campaign's 2-rank job on 2
 cores). A fork of the rank taken when its imports are done and before it starts a thread has every module
-already, and no lock a thread could hold: the same state the stock server reaches, minus the import.
+already, and no lock a Python thread could hold: the same state the stock server reaches, minus the import
+(the one native thread then is OpenBLAS's, started by numpy's import, which parks itself across a fork, as it
+does for the forked DataLoader workers of most PyTorch jobs).
 
 It runs the standard library's own server loop (`multiprocessing.forkserver.main`) and is registered as the
 process's fork server, so `multiprocessing.get_context("forkserver")` uses it unchanged: the workers, their
