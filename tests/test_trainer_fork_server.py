@@ -76,7 +76,7 @@ def test_the_workers_come_from_a_fork_of_the_rank_with_the_data_in_process_loadi
         assert seen["same"], "the workers' batches differ from in-process loading's"
     finally:
         rank.stdin.close()  # type: ignore[union-attr]
-        rank.wait()
+        rank.wait(timeout=GONE_WITHIN_SECONDS)  # it stops its workers and exits at once
     assert not _gone([*seen["workers"], seen["server"]]), "the fork server or a worker outlived its rank"
 
 
@@ -96,7 +96,7 @@ def test_with_a_thread_running_the_stock_fork_server_starts_instead() -> None:
         assert seen["same"]
     finally:
         rank.stdin.close()  # type: ignore[union-attr]
-        rank.wait()
+        rank.wait(timeout=GONE_WITHIN_SECONDS)  # it stops its workers and exits at once
     _gone(seen["workers"])
 
 

@@ -13,8 +13,9 @@ It runs the standard library's own server loop (`multiprocessing.forkserver.main
 process's fork server, so `multiprocessing.get_context("forkserver")` uses it unchanged: the workers, their
 seeds and their data are the same as from the stock server (tests/test_trainer_fork_server.py compares them).
 It ends as the stock one does, when the rank and the workers it forked have ended. That registration uses
-private attributes of `multiprocessing.forkserver` (the same from Python 3.9 to 3.13); where they differ (3.14
-authenticates its clients) or a thread already runs, nothing is forked and the stock server starts as before.
+private attributes of `multiprocessing.forkserver` (the same in Python 3.10 to 3.13, read in their sources);
+where they differ (3.14 authenticates its clients) or a thread already runs, nothing is forked and the stock
+server starts as before.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = ["start_fork_server"]
 
 logger = logging.getLogger("rankscope_trainer")
 
-#: The private attributes this module sets, as Python 3.9 to 3.13 name them.
+#: The private attributes this module sets, as Python 3.10 to 3.13 name them.
 _SERVER_ATTRIBUTES = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
 
 
