@@ -522,3 +522,31 @@ def test_a_low_goodput_alert_is_explained_by_the_ground_truths_hour_before_it_an
     assert summarise(arm, [], None, None, lower).false_alarms == [
         "RankscopeGoodputLow{rank=} at 3500 s", "RankscopeGoodputLow{rank=} at 5000 s"
     ]  # fmt: skip
+
+
+def test_an_alerts_stretch_starts_at_the_evaluation_that_fired_it_not_the_next_grid_point(tmp_path: Path) -> None:
+    # The runner read ALERTS at a 1 s grid only, so an alert fired at t was dated at the first grid point after
+    # it, up to 1 s late: a hang paged 9.1 s after its injection was reported as 10.03 s. Real Prometheus, a rule
+    # that fires once Prometheus has run a while (its first evaluations' ALERTS samples are not stored); the
+    # stretch must start at the evaluation that fired it, Prometheus's activeAt.
+    from benchmarks.campaign.arm import _alert_stretches
+    from devstack.jobs import wait_for
+    from devstack.monitoring import MonitoringStack
+    from devstack.ports import Ports, free_port, free_port_block
+
+    began = time.time()
+    rules = tmp_path / "probe.yml"
+    rule = {"alert": "CampaignProbe", "expr": f"vector(time()) > {began + 8:.0f}",
+            "labels": {"run_id": "r-probe", "rank": "1"}}  # fmt: skip
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "probe", "rules": [rule]}]}))
+    ports = Ports(prometheus=free_port(), alertmanager=free_port(), metrics=free_port_block(1), control=free_port())
+    stack = MonitoringStack(tmp_path / "stack", ports, nproc=1, interval="1s", rule_files=[rules], alertmanager=False)
+    with stack:
+        (alert,) = wait_for(lambda: [a for a in stack.prometheus_alerts() if a["state"] == "firing"], 60,
+                            "the probe alert firing", stack.log_tails)  # fmt: skip
+        fired = unix_time(alert["activeAt"])
+        wait_for(lambda: stack.query('ALERTS{alertname="CampaignProbe"}', at=fired + 1.0), 60,
+                 "a grid point after the firing to see it", stack.log_tails)  # fmt: skip
+        (stretch,) = _alert_stretches(stack, "r-probe", began, time.time())
+    assert (stretch["alertname"], stretch["rank"]) == ("CampaignProbe", "1")
+    assert stretch["start"] == pytest.approx(fired, abs=0.002), f"fired at {fired:.3f}, dated {stretch['start']:.3f}"

@@ -305,21 +305,41 @@ def _pages(pager: WebhookSink, run_id: str) -> list[dict[str, Any]]:
 
 
 def _alert_stretches(monitoring: MonitoringStack, run_id: str, start: float, end: float) -> list[dict[str, Any]]:
-    """Every firing stretch of the run's alerts (ALERTS at 1 s resolution): alertname, rank, start, end."""
-    series = monitoring.query_range(f'ALERTS{{alertstate="firing", run_id="{run_id}"}}', start, end + 5, 1.0)
+    """Every firing stretch of the run's alerts: alertname, rank, start, end.
+
+    The stretches are ALERTS read at a 1 s grid (a missed evaluation does not split one); each starts at the
+    evaluation that fired it, ALERTS's own sample, not at the first grid point after it, up to 1 s later."""
+    selector = f'ALERTS{{alertstate="firing", run_id="{run_id}"}}'
+    series = monitoring.query_range(selector, start, end + 5, 1.0)
+    window = int(end + 5 - start) + 2
+    evaluations = {
+        _series_key(s["metric"]): [float(t) for t, _ in s["values"]]
+        for s in monitoring.query(f"{selector}[{window}s]", at=end + 5)
+    }
     stretches = []
     for s in series:
         times = [float(t) for t, _ in s["values"]]
+        fired = evaluations.get(_series_key(s["metric"]), [])
         begin = previous = times[0]
         for t in [*times[1:], None]:
             if t is None or t - previous > 1.5:
                 stretches.append({"alertname": s["metric"]["alertname"], "rank": s["metric"].get("rank", ""),
-                                  "start": begin, "end": previous})  # fmt: skip
+                                  "start": _fired_at(begin, fired), "end": previous})  # fmt: skip
                 if t is not None:
                     begin = t
             if t is not None:
                 previous = t
     return sorted(stretches, key=lambda a: a["start"])
+
+
+def _series_key(metric: dict[str, str]) -> frozenset[tuple[str, str]]:
+    return frozenset((k, v) for k, v in metric.items() if k != "__name__")
+
+
+def _fired_at(grid_point: float, evaluations: list[float]) -> float:
+    """The evaluation a grid point first showed firing: the first sample in the second up to it (the grid point
+    itself where there is none, a stretch that was firing when the read began)."""
+    return min((t for t in evaluations if grid_point - 1.0 < t <= grid_point + 0.0005), default=grid_point)
 
 
 def _checkpoints(directory: Path) -> tuple[list[str], list[str]]:
