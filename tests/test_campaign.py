@@ -527,21 +527,28 @@ def test_a_low_goodput_alert_is_explained_by_the_ground_truths_hour_before_it_an
 def test_an_alerts_stretch_starts_at_the_evaluation_that_fired_it_not_the_next_grid_point(tmp_path: Path) -> None:
     # The runner read ALERTS at a 1 s grid only, so an alert fired at t was dated at the first grid point after
     # it, up to 1 s late: a hang paged 9.1 s after its injection was reported as 10.03 s. Real Prometheus, a rule
-    # that fires once Prometheus has run a while (its first evaluations' ALERTS samples are not stored); the
-    # stretch must start at the evaluation that fired it, Prometheus's activeAt.
+    # made to fire 3 s after a reload once Prometheus is up (its very first evaluations' ALERTS samples were
+    # missing from its store here, however loaded the machine); the stretch must start at the evaluation that
+    # fired it, Prometheus's activeAt.
     from benchmarks.campaign.arm import _alert_stretches
     from devstack.jobs import wait_for
     from devstack.monitoring import MonitoringStack
     from devstack.ports import Ports, free_port, free_port_block
 
-    began = time.time()
     rules = tmp_path / "probe.yml"
-    rule = {"alert": "CampaignProbe", "expr": f"vector(time()) > {began + 8:.0f}",
-            "labels": {"run_id": "r-probe", "rank": "1"}}  # fmt: skip
-    rules.write_text(yaml.safe_dump({"groups": [{"name": "probe", "rules": [rule]}]}))
+
+    def probe(fires_at: float) -> None:
+        rule = {"alert": "CampaignProbe", "expr": f"vector(time()) > {fires_at:.0f}",
+                "labels": {"run_id": "r-probe", "rank": "1"}}  # fmt: skip
+        rules.write_text(yaml.safe_dump({"groups": [{"name": "probe", "rules": [rule]}]}))
+
+    probe(time.time() + 86400)  # not before the reload below
     ports = Ports(prometheus=free_port(), alertmanager=free_port(), metrics=free_port_block(1), control=free_port())
     stack = MonitoringStack(tmp_path / "stack", ports, nproc=1, interval="1s", rule_files=[rules], alertmanager=False)
     with stack:
+        began = time.time()
+        probe(began + 3)
+        stack.reload_rules()
         (alert,) = wait_for(lambda: [a for a in stack.prometheus_alerts() if a["state"] == "firing"], 60,
                             "the probe alert firing", stack.log_tails)  # fmt: skip
         fired = unix_time(alert["activeAt"])
