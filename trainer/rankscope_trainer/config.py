@@ -217,6 +217,10 @@ class DataConfig:
     action reduce_micro_batch halves batch_size and doubles this; a checkpoint keeps the pair."""
     val_batch_size: int = 32
     """Samples per rank per validation batch (in-batch accuracy depends on it)."""
+    val_cache_mib: int = 256
+    """Host memory per rank for the validation set's batches: when a rank's share fits, the first validation
+    keeps them and later ones reuse them instead of reading and decoding every image again (the same
+    samples, the same losses). 0 = read them at every validation."""
     num_workers: int = 1
     """DataLoader worker processes per rank (0 = load in the training process)."""
     max_text_length: int = 16
@@ -231,6 +235,7 @@ class DataConfig:
             check(bool(self.val_manifest), "data.val_manifest must be set when data.source is manifest")
         in_range("data.batch_size", self.batch_size, ge=2, note=" (in-batch negatives)")
         in_range("data.val_batch_size", self.val_batch_size, ge=2)
+        in_range("data.val_cache_mib", self.val_cache_mib, ge=0)
         in_range("data.accumulation_steps", self.accumulation_steps, ge=1)
         in_range("data.num_workers", self.num_workers, ge=0)
         in_range("data.max_text_length", self.max_text_length, ge=3)

@@ -27,7 +27,7 @@ import logging
 import multiprocessing
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision import transforms
 
 from rankscope_trainer.tokenizer import WordTokenizer
+from rankscope_trainer.val_cache import CachedBatches
 
 __all__ = [
     "Batch",
@@ -429,7 +430,9 @@ def steps_per_epoch(samples_per_rank: int, step_samples: int) -> int:
 @dataclass
 class DataBundle:
     train_loader: DataLoader
-    val_loader: DataLoader
+    val_loader: Iterable[Batch]
+    """The validation batches: a DataLoader's, kept in memory after the first pass where they fit
+    (`rankscope_trainer.val_cache`)."""
     sampler: ResumableDistributedSampler
     tokenizer: WordTokenizer
     skipped: Counter
@@ -510,4 +513,5 @@ def build_data(
         collate_fn=collate,
         generator=torch.Generator().manual_seed(seed),  # validation leaves the global RNG alone too
     )
-    return DataBundle(train_loader_for(cfg.batch_size), val_loader, sampler, tokenizer, skipped, train_loader_for)
+    val_batches = CachedBatches(val_loader, cfg.val_cache_mib * 2**20, announce=rank == 0)
+    return DataBundle(train_loader_for(cfg.batch_size), val_batches, sampler, tokenizer, skipped, train_loader_for)
