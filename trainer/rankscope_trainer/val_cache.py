@@ -2,7 +2,8 @@
 
 Every validation goes over the same samples in the same order (an unshuffled sampler, deterministic
 transforms), yet a DataLoader renders or decodes every image again each time: half of each validation's time in
-the fault campaign (1024 synthetic samples), time the goodput ledger rightly counts against the run. The first
+a 1-rank profile over the fault campaign's 1024 synthetic samples (a third, in steps' worth, in its 2-rank arm),
+time the goodput ledger rightly counts against the run. The first
 complete pass keeps the collated batches; later passes hand out those same batches, so every validation loss is
 the one a fresh read gives (tests/test_trainer_val_cache.py compares whole runs). A rank's shard over the limit,
 or a pass that met a bad sample (its file may be mended by the next validation), is read every time, as before.
