@@ -110,7 +110,12 @@ def _make_variable(name: str) -> str:
 
 def test_make_test_runs_the_whole_suite_and_ci_runs_make_test():
     recipe = re.search(r"^test: .*\n\t(.*)$", (REPO / "Makefile").read_text(), flags=re.M)
-    assert recipe and recipe.group(1).strip() == ".venv/bin/python -m pytest", recipe
+    assert recipe, "Makefile: no test recipe"
+    command = recipe.group(1).split()
+    assert command[:3] == [".venv/bin/python", "-m", "pytest"], command
+    # How many processes run the tests, never which tests: no marker, keyword, path, ignore or deselect.
+    assert command[3:] == ["-n", "$(TEST_WORKERS)", "--dist", "loadfile"], command
+    assert re.search(r"^TEST_WORKERS \?= [1-9]\d*$", (REPO / "Makefile").read_text(), flags=re.M)
     assert "make test\n" in (REPO / ".ci" / "run").read_text()
 
 
