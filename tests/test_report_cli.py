@@ -180,3 +180,18 @@ def test_a_live_run_gets_its_report_and_summary(prometheus: str, tmp_path: Path)
     page = out.read_text()
     assert "live: still training" in page and "No attention maps" in page
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_campaign_adds_its_table_to_the_runs_report(prometheus: str, tmp_path: Path) -> None:
+    from tests.test_report_campaign import _campaign
+
+    campaign = tmp_path / "campaign.json"
+    campaign.write_text(json.dumps(_campaign()[1]))
+    out = tmp_path / "report.html"
+    result = report("--prometheus", prometheus, "--run-id", "live", "--campaign", str(campaign), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    parsed = _Sections()
+    parsed.feed(out.read_text())
+    assert parsed.sections[-1] == "campaign", parsed.sections
+    page = out.read_text()
+    assert f"From {campaign}." in page and "loop on: per fault" in page and "hang_data @ 21" in page

@@ -63,6 +63,10 @@ class FaultOutcome:
     """Its window's wall time over the fault-free run's for the same steps."""
     steps_retrained: int
     problems: list[str] = field(default_factory=list)
+    cost_steps: float | None = None
+    """The same in steps' time: its window's wall time over its arm's median step, less the fault-free run's over
+    that arm's. A machine slower or faster throughout (one hour's arm against another's) changes cost_seconds by
+    every step of the window, and this not at all."""
 
 
 @dataclass
@@ -89,6 +93,8 @@ class ArmSummary:
     """The ground truth's wall time by what the run log shows (truth_buckets())."""
     ledger_buckets: dict[str, float] = field(default_factory=dict)
     """The ledger's totals, by bucket."""
+    median_step_seconds: float | None = None
+    """The median time of a step (not an incarnation's first): the machine's speed over the arm."""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "faults": [f.__dict__ for f in self.faults]}
@@ -146,10 +152,15 @@ def _stalls(trainings: list[_Training]) -> dict[int, float]:
     alert follow the recent mean step instead, and on the campaign's steps (tens of milliseconds) both are the
     floor."""
     tunables = Tunables()
-    steady = [t.seconds for t in trainings if not t.first]
-    threshold = max(tunables.hang_floor_seconds, tunables.hang_step_multiple * statistics.median(steady or [0.0]))
+    threshold = max(tunables.hang_floor_seconds, tunables.hang_step_multiple * (_median_step(trainings) or 0.0))
     last = {t.step: t for t in trainings}
     return {t.step: t.seconds for t in last.values() if not t.first and t.seconds > threshold}
+
+
+def _median_step(trainings: list[_Training]) -> float | None:
+    """The median time of every training but an incarnation's first (start-up, a checkpoint load)."""
+    steady = [t.seconds for t in trainings if not t.first]
+    return statistics.median(steady) if steady else None
 
 
 def _truth_buckets(
@@ -230,7 +241,9 @@ def summarise(
     faults = schedule if arm.name != "fault-free" else []
     trainings = _trainings(arm.records)
     times = _by_step(trainings)
-    ff_times = step_times(fault_free.records) if fault_free is not None else {}
+    ff_trainings = _trainings(fault_free.records) if fault_free is not None else []
+    ff_times = _by_step(ff_trainings)
+    speeds = (_median_step(trainings), _median_step(ff_trainings))
     finished = [r["time"] for r in arm.records if r.get("type") == "finished"]
     end = max(finished) if finished else arm.ended_at
     wall = end - arm.started_at
@@ -258,7 +271,7 @@ def summarise(
 
     redone = _redone(arm, windows)
     outcomes = [_outcome(arm, fault, start, (alert_ends[fault.id], stopped[fault.id]), end, end_step, times,
-                         ff_times, redone) for fault, start, end, end_step in windows]  # fmt: skip
+                         ff_times, redone, speeds) for fault, start, end, end_step in windows]  # fmt: skip
     false_alarms = _false_alarms(arm, [(fault, start, alert_ends[fault.id]) for fault, start, _, _ in windows],
                                  times, stalled_steps, tunables or Tunables())  # fmt: skip
     val_loss, val_step = _final_val(arm)
@@ -274,7 +287,7 @@ def summarise(
         stolen_seconds=arm.stolen_seconds, ledger_buckets=totals,
         truth_buckets=_truth_buckets(arm, end, trainings, stalled_steps),
         seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
-        faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times),
+        faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times), median_step_seconds=speeds[0],
     )  # fmt: skip
 
 
@@ -296,7 +309,9 @@ def _redone(arm: ArmRecord, windows: list[tuple[Fault, float | None, float, int]
 def _outcome(
     arm: ArmRecord, fault: Fault, start: float | None, until: tuple[float, float | None], end: float, end_step: int,
     times: dict[int, tuple[float, float]], ff_times: dict[int, tuple[float, float]], redone: dict[str, int],
+    speeds: tuple[float | None, float | None],
 ) -> FaultOutcome:  # fmt: skip
+    """`speeds`: the median step of the arm and of the fault-free run (cost_steps)."""
     kind = fault.kind
     alert_end, stopped = until  # to when its alert may start; when a fault over a window of steps stopped
     problems = []
@@ -323,19 +338,22 @@ def _outcome(
             first = min(acted, key=lambda r: r["time"])
             action, outcome, action_at = first.get("action") or "", first.get("result") or "", first["time"]
     retrained = redone.get(fault.id, 0)
-    cost = None
+    cost = cost_steps = None
     a, b = fault.at_step - 1, end_step - 1
     # From the step before the fault as it first ended (a restart trains it again later: its last training
     # would start the window after the fault) to the window's last step as it last ended.
     before = min((r["time"] for r in arm.records if r.get("type") == "train" and r.get("step") == a), default=None)
     if before is not None and b in times and a in ff_times and b in ff_times:
         cost = (times[b][0] - before) - (ff_times[b][0] - ff_times[a][0])
+        step, ff_step = speeds
+        if step and ff_step:
+            cost_steps = (times[b][0] - before) / step - (ff_times[b][0] - ff_times[a][0]) / ff_step
     return FaultOutcome(
         id=fault.id, kind=kind.name, at_step=fault.at_step, rank=fault.rank, injected_at=start,
         alert=alert["alertname"] if alert else None, alert_rank=alert["rank"] if alert else "",
         detect_seconds=alert["start"] - start if alert and start is not None else None,
         action=action, outcome=outcome, action_seconds=action_at - start if action_at and start else None,
-        cost_seconds=cost, steps_retrained=retrained, problems=problems,
+        cost_seconds=cost, steps_retrained=retrained, problems=problems, cost_steps=cost_steps,
     )  # fmt: skip
 
 

@@ -5,10 +5,11 @@
 
 Without --run-id the report is about the run with the newest samples. --log adds
 the trainer's JSONL run log (every step's loss, exact checkpoint and stop
-records) and the attention maps saved beside it. Works on a live run (run it
+records) and the attention maps saved beside it. --campaign adds a fault
+campaign's table (python -m benchmarks.campaign --json) as a section. Works on a live run (run it
 again for a newer picture) and on a finished one, as long as Prometheus keeps it.
 Exit status: 0 written, 1 a problem named in one line (Prometheus unreachable,
-unknown run, no data yet, unreadable log), 2 bad usage.
+unknown run, no data yet, unreadable log or campaign), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--price-per-gpu-hour", type=_price, default=None, metavar="PRICE",
         help="show the goodput section's GPU-hours in money too (any currency)",
     )  # fmt: skip
+    parser.add_argument(
+        "--campaign", type=Path, default=None, metavar="CAMPAIGN.json",
+        help="add the fault campaign's table (the file `python -m benchmarks.campaign --json` wrote)",
+    )  # fmt: skip
     return parser
 
 
@@ -95,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     request = ReportRequest(
-        args.prometheus, args.out, args.run_id, args.log, args.attention, args.timeout, args.price_per_gpu_hour
-    )
+        args.prometheus, args.out, args.run_id, args.log, args.attention, args.timeout, args.price_per_gpu_hour,
+        campaign=args.campaign,
+    )  # fmt: skip
     try:
         report = build_report(request)
     except ReportError as exc:
