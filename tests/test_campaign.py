@@ -319,8 +319,8 @@ def test_an_arms_median_step_and_a_faults_cost_in_steps_time_leave_out_a_uniform
     # 40.5 steps' time to the target against 60.5 (the hang's 20 and its validation's half step).
     at_equal_speed = text.index("time to target at equal step time (its wall time over the arm's median step)")
     assert text[at_equal_speed + 1 : at_equal_speed + 3] == [
-        "  fault-free  1000.0 ms a step         40 steps' time",
-        "  on          1500.0 ms a step         60 steps' time  +49.4%",
+        "  fault-free  1000.0 ms a step         40 steps' time           target first at step 40",
+        "  on          1500.0 ms a step         60 steps' time   +49.4%  target first at step 40",
     ], text
     (row,) = [line for line in text if line.startswith(f"  hang_data @ {at} ")]
     assert row.split()[-4:] == ["40", "s", "20", "0"], row  # cost 39.5 s, 20 steps' time, none trained again

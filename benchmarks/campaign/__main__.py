@@ -134,8 +134,8 @@ def table(summaries: list[ArmSummary], schedule: list[Fault], target: float | No
     equal = equal_speed_rows(arms)
     if equal:
         lines += ["", EQUAL_SPEED_TITLE]
-        lines += [f"  {name:<11} {step:>8} a step  {steps:>9} steps' time" + (f"  {versus}" if versus else "")
-                  for name, step, steps, versus in equal]  # fmt: skip
+        lines += [f"  {name:<11} {step:>8} a step  {steps:>9} steps' time  {versus:>7}  target first at step {at}"
+                  for name, step, steps, versus, at in equal]  # fmt: skip
     stopped = [s for s in summaries if s.stalled_steps or (s.stolen_seconds or 0.0) >= STOLEN_NOTE_SECONDS]
     if stopped:
         lines += ["", "the machine stopped: steps past the hang threshold that ended by themselves (a hang to the "

@@ -95,6 +95,8 @@ class ArmSummary:
     """The ledger's totals, by bucket."""
     median_step_seconds: float | None = None
     """The median time of a step (not an incarnation's first): the machine's speed over the arm."""
+    target_step: int | None = None
+    """The step whose validation first reached the target loss: how far training had to go, at any speed."""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "faults": [f.__dict__ for f in self.faults]}
@@ -275,11 +277,12 @@ def summarise(
     false_alarms = _false_alarms(arm, [(fault, start, alert_ends[fault.id]) for fault, start, _, _ in windows],
                                  times, stalled_steps, tunables or Tunables())  # fmt: skip
     val_loss, val_step = _final_val(arm)
-    to_target = None
+    to_target = target_step = None
     if target is not None:
-        reached = sorted(r["time"] for r in arm.records
-                          if r.get("type") == "val" and r.get("loss") is not None and r["loss"] <= target)  # fmt: skip
-        to_target = reached[0] - arm.started_at if reached else None
+        reached = sorted((r["time"], r.get("step")) for r in arm.records
+                         if r.get("type") == "val" and r.get("loss") is not None and r["loss"] <= target)  # fmt: skip
+        if reached:
+            to_target, target_step = reached[0][0] - arm.started_at, reached[0][1]
     return ArmSummary(
         name=arm.name, wall_seconds=wall, tail_seconds=arm.ended_at - end,
         goodput_truth=productive / wall if wall > 0 else 0.0,
@@ -288,6 +291,7 @@ def summarise(
         truth_buckets=_truth_buckets(arm, end, trainings, stalled_steps),
         seconds_to_target=to_target, final_val_loss=val_loss, final_val_step=val_step,
         faults=outcomes, false_alarms=false_alarms, lost=_lost(arm, times), median_step_seconds=speeds[0],
+        target_step=target_step,
     )  # fmt: skip
 
 

@@ -71,8 +71,9 @@ def arm_rows(arms: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 
 def equal_speed_rows(arms: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """[arm, its median step, its time to target in steps' time, against the fault-free run's]; none where the
-    fault-free run has no time to target or no median step (a record from before the campaign kept it)."""
+    """[arm, its median step, its time to target in steps' time, against the fault-free run's, the step whose
+    validation first reached the target]; none where the fault-free run has no time to target or no median step (a
+    record from before the campaign kept it)."""
     ff = _fault_free(arms)
     ff_steps = steps_to_target(ff.get("seconds_to_target"), ff.get("median_step_seconds")) if ff else None
     if ff_steps is None:
@@ -82,7 +83,7 @@ def equal_speed_rows(arms: Sequence[Mapping[str, Any]]) -> list[list[str]]:
         steps = steps_to_target(arm.get("seconds_to_target"), arm.get("median_step_seconds"))
         versus = steps / ff_steps - 1 if steps is not None and arm is not ff else None
         rows.append([str(arm["name"]), fmt(arm.get("median_step_seconds"), ".1f", " ms", 1000), fmt(steps, ",.0f"),
-                     "" if versus is None else f"{versus:+.1%}"])  # fmt: skip
+                     "" if versus is None else f"{versus:+.1%}", fmt(arm.get("target_step"), ",.0f")])  # fmt: skip
     return rows
 
 
@@ -136,7 +137,8 @@ def campaign_section(payload: Mapping[str, Any], source: Path) -> Section:
     section = Section("campaign", "Fault campaign", [Paragraph(intro), Table(ARM_HEADERS, arm_rows(arms))])
     equal = equal_speed_rows(arms)
     if equal:
-        section.blocks.append(Table(("arm", "median step", "steps' time to target", "vs fault-free"), equal,
+        section.blocks.append(Table(("arm", "median step", "steps' time to target", "vs fault-free",
+                                     "target first at step"), equal,
                                     caption=EQUAL_SPEED_TITLE))  # fmt: skip
     for arm in arms:
         if arm.get("faults"):
