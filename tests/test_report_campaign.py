@@ -78,7 +78,7 @@ def test_the_reports_campaign_section_holds_the_terminals_table_row_for_row(tmp_
     text, payload = _campaign()
     path = tmp_path / "campaign.json"
     path.write_text(json.dumps(payload))
-    page = render_page("t", "s", [], [campaign_section(read_campaign(path), path)])
+    page = render_page("t", "s", [], [campaign_section(path)])
     parsed = _Tables()
     parsed.feed(page)
     tables = dict(parsed.tables)
@@ -116,6 +116,20 @@ def test_a_file_that_is_not_a_campaign_is_named_in_one_line(tmp_path: Path, cont
         read_campaign(path)
     assert str(raised.value).startswith(problem.format(path=path)), raised.value
     assert "\n" not in str(raised.value)
+
+
+def test_a_campaign_whose_figures_cannot_be_shown_is_named_in_one_line(tmp_path: Path) -> None:
+    # Arms the first check lets through, a fault without its kind and a wall time that is not a number: the
+    # section is drawn before Prometheus is asked, so the command says so in one line instead of a traceback.
+    _, payload = _campaign()
+    for broken, problem in (({"faults": [{"at_step": 3}]}, "'kind'"), ({"wall_seconds": "long"}, "")):
+        payload["arms"][1].update(broken)
+        path = tmp_path / "campaign.json"
+        path.write_text(json.dumps(payload))
+        with pytest.raises(ReportError) as raised:
+            campaign_section(path)
+        assert str(raised.value).startswith(f"the campaign {path}: cannot show its figures ("), raised.value
+        assert problem in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_the_command_names_a_bad_campaign_before_it_asks_prometheus(tmp_path: Path) -> None:

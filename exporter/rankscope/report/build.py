@@ -15,7 +15,7 @@ from pathlib import Path
 from rankscope.report import sections
 from rankscope.report.analysis import straggler
 from rankscope.report.attention import read_attention_maps
-from rankscope.report.campaign import campaign_section, read_campaign
+from rankscope.report.campaign import campaign_section
 from rankscope.report.collect import RunData, collect
 from rankscope.report.errors import ReportError
 from rankscope.report.goodput import goodput_section
@@ -84,7 +84,8 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
     """Build and write the report (see the module docstring); ReportError for anything the user must fix."""
     now = time.time() if now is None else now
     log = read_run_log(request.log) if request.log is not None else None  # fail fast on a bad path
-    campaign = read_campaign(request.campaign) if request.campaign is not None else None
+    # Read and drawn before Prometheus is asked: a bad file fails in one line, at once.
+    campaign = campaign_section(request.campaign) if request.campaign is not None else None
     prom = Prometheus(request.prometheus, timeout=request.timeout)
     run = find_run(prom, request.run_id, now)
     data = collect(prom, run, now)
@@ -120,8 +121,8 @@ def build_report(request: ReportRequest, now: float | None = None) -> Report:
         sections.analyses(ctx),
         sections.attention(snapshots, skipped, attention_dir),
     ]
-    if campaign is not None and request.campaign is not None:
-        page_sections.append(campaign_section(campaign, request.campaign))
+    if campaign is not None:
+        page_sections.append(campaign)
     page_sections = [sections.explain_empty(s, run.run_id) for s in page_sections]
     if log is not None and not log.records:
         note = f"The run log {request.log} has no record from this run's time window (another run's log?)."

@@ -127,8 +127,18 @@ def read_campaign(path: Path) -> dict[str, Any]:
     return payload
 
 
-def campaign_section(payload: Mapping[str, Any], source: Path) -> Section:
-    """The report's section: the arms, time to target at equal step time, each faulted arm's faults, the goals."""
+def campaign_section(path: Path) -> Section:
+    """The report's section of the campaign in `path`: the arms, time to target at equal step time, each faulted
+    arm's faults, the goals. ReportError in one line where the file is not a campaign's, or holds a figure that
+    cannot be shown (a field missing, a number that is not one)."""
+    payload = read_campaign(path)
+    try:
+        return _section(payload, path)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ReportError(f"the campaign {path}: cannot show its figures ({type(exc).__name__}: {exc})") from None
+
+
+def _section(payload: Mapping[str, Any], source: Path) -> Section:
     arms = payload["arms"]
     target = payload.get("target_loss")
     intro = (f"From {source}. " + (f"Target validation loss {target:.4f} (the fault-free run's at 90 % of its "
