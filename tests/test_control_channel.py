@@ -3,6 +3,7 @@ through every action, checked on both ranks."""
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -235,6 +236,145 @@ def test_the_control_state_survives_a_checkpoint(make_channel, optimizer, monito
         resumed.load_state_dict({"format": 99})
 
 
+def cosine_scheduler(optimizer, steps=1000):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+
+
+def train(channel, optimizer, scheduler, handler, steps):
+    """`steps` optimizer steps, each followed by the scheduler's and the step boundary."""
+    for step in steps:
+        optimizer.step()
+        scheduler.step()
+        channel.at_step_boundary(step, handler)
+
+
+def test_a_reduction_for_a_number_of_steps_gives_the_schedules_rate_back_after_them(monitor, make_channel, caplog):
+    # A transient burst of non-finite steps must not cost the rest of the run half its rate: the rule pack's
+    # reduce_lr lasts restore_after_steps, and then the cosine schedule goes on exactly where it would have.
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = cosine_scheduler(optimizer)
+    unreduced_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    unreduced = cosine_scheduler(unreduced_optimizer)
+    channel = ControlChannel(ControlConfig(port=0, lr_cooldown_seconds=0.0), monitor, optimizer, scheduler)
+    try:
+        handler = LoopHandler()
+        action_id = post(channel, "reduce_lr", lr_factor=0.5, restore_after_steps=20)
+        train(channel, optimizer, scheduler, handler, range(1, 11))
+        assert recent(channel)[action_id]["status"] == "applied"
+        for _ in range(10):
+            unreduced_optimizer.step()
+            unreduced.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * unreduced.get_last_lr()[0])
+        assert channel.lr_scale == 0.5
+        assert channel.state_dict()["lr_return"]["due_step"] == 21  # reduced at step 1
+        with caplog.at_level("WARNING", logger="rankscope"):
+            train(channel, optimizer, scheduler, handler, range(11, 22))
+        for _ in range(11):
+            unreduced_optimizer.step()
+            unreduced.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(unreduced.get_last_lr()[0])
+        assert scheduler.base_lrs == pytest.approx([0.1])
+        assert channel.lr_scale == 1.0
+        assert channel.snapshot.read()["learning_rates"] == pytest.approx(unreduced.get_last_lr())
+        assert "learning rates given back at step 21, 20 steps after the reduction at step 1" in caplog.text
+        assert channel.state_dict()["lr_return"] is None
+        optimizer.step()
+        scheduler.step()
+        unreduced_optimizer.step()
+        unreduced.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(unreduced.get_last_lr()[0])  # the schedule keeps it
+    finally:
+        channel.close()
+
+
+def test_reductions_for_a_number_of_steps_are_given_back_together_and_one_for_good_stays(make_channel, optimizer):
+    channel = make_channel()
+    handler = LoopHandler()
+
+    def reduce(step, **params):
+        post(channel, "reduce_lr", **params)
+        channel.at_step_boundary(step, handler)
+        optimizer.step()
+
+    reduce(1, lr_factor=0.5, restore_after_steps=10)
+    reduce(2, lr_factor=0.5)  # for good
+    reduce(5, lr_factor=0.5, restore_after_steps=10)  # the return of both moves to step 15
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0125) and channel.lr_scale == 0.125
+    for step in range(6, 15):
+        channel.at_step_boundary(step, handler)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0125)
+    channel.at_step_boundary(15, handler)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05) and channel.lr_scale == 0.5
+
+
+def test_a_control_configs_lr_restore_after_steps_is_every_reductions_default(make_channel, optimizer):
+    channel = make_channel(lr_restore_after_steps=3)
+    action_id = post(channel, "reduce_lr")
+    channel.at_step_boundary(1, LoopHandler())
+    assert channel.queue.snapshot()["pending"][0]["id"] == action_id
+    optimizer.step()
+    for step in range(2, 5):
+        channel.at_step_boundary(step, LoopHandler())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="control.lr_restore_after_steps must be"):
+        ControlConfig(lr_restore_after_steps=-1)
+
+
+def test_nothing_is_given_back_before_the_reduction_is_judged(make_channel, optimizer):
+    # The optimizer has not stepped with the reduced rate yet (gradient accumulation): giving it back first
+    # would have the reduction judged against a rate it never set.
+    channel = make_channel()
+    action_id = post(channel, "reduce_lr", restore_after_steps=1)
+    for step in range(1, 4):
+        channel.at_step_boundary(step, LoopHandler())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    optimizer.step()
+    channel.at_step_boundary(4, LoopHandler())
+    assert recent(channel)[action_id]["status"] == "applied"
+    channel.at_step_boundary(5, LoopHandler())  # the first boundary after it was judged
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_a_rollback_keeps_the_rates_it_loads_and_drops_what_was_owed(make_channel, optimizer, caplog):
+    # The rates come back from the checkpoint, reduced or not: giving the reduction back on top of rates from
+    # before it would double them.
+    channel = make_channel(rollback_cooldown_seconds=0.0)
+    loop = RecoveringLoop()
+    post(channel, "reduce_lr", restore_after_steps=100)
+    channel.at_step_boundary(35, loop)
+    optimizer.step()
+    post(channel, "rollback")
+    with caplog.at_level("WARNING", logger="rankscope"):
+        channel.at_step_boundary(36, loop)
+    assert "drops the learning rates owed back at step 135" in caplog.text
+    optimizer.param_groups[0]["lr"] = 0.1  # the checkpoint of step 30, from before the reduction
+    for step in range(31, 140):
+        channel.at_step_boundary(step, loop)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_what_is_owed_back_survives_a_checkpoint_and_an_older_checkpoint_owes_nothing(make_channel, optimizer):
+    channel = make_channel()
+    post(channel, "reduce_lr", restore_after_steps=10)
+    channel.at_step_boundary(1, LoopHandler())
+    optimizer.step()
+    channel.at_step_boundary(2, LoopHandler())
+    state = channel.state_dict()
+    channel.close()
+    resumed = make_channel()
+    resumed.load_state_dict(state)
+    for step in range(3, 12):
+        resumed.at_step_boundary(step, LoopHandler())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1) and resumed.lr_scale == 1.0
+    older = {key: value for key, value in state.items() if key != "lr_return"} | {"format": 1, "lr_scale": 1.0}
+    resumed.load_state_dict(older)  # a checkpoint of the previous format
+    assert resumed.state_dict()["lr_return"] is None
+    with pytest.raises(ValueError, match="lr_return would lower a rate"):
+        resumed.load_state_dict(state | {"lr_return": state["lr_return"] | {"ratios": [0.5]}})
+    with pytest.raises(ValueError, match="lr_return has 2 param groups, the optimizer 1"):
+        resumed.load_state_dict(state | {"lr_return": state["lr_return"] | {"ratios": [2.0, 2.0]}})
+
+
 def test_a_checkpoint_passes_its_reason_to_the_loop(make_channel):
     channel = make_channel()
     handler = LoopHandler()
@@ -452,6 +592,17 @@ def test_an_alerts_incident_lookback_is_a_rollback_parameter_from_its_annotation
         "fingerprint": "f"}]}  # fmt: skip
     (request,) = parse_alert_payload(body).requests
     assert request.params == {"incident_lookback_seconds": 120.0}
+
+
+def test_a_reductions_return_is_a_parameter_from_an_alerts_annotations():
+    from rankscope.control.alerts import parse_alert_payload
+
+    body = {"version": "4", "status": "firing", "alerts": [{
+        "status": "firing", "labels": {"alertname": "RankscopeNonFiniteSteps", "action": "reduce_lr"},
+        "annotations": {"restore_after_steps": "2000"}, "startsAt": "2026-12-04T09:00:00Z",
+        "fingerprint": "f"}]}  # fmt: skip
+    (request,) = parse_alert_payload(body).requests
+    assert request.params == {"restore_after_steps": 2000}
 
 
 def test_a_rollback_the_loop_did_not_follow_is_overridden(make_channel):
@@ -700,6 +851,26 @@ def test_reduce_lr_changes_both_ranks_at_the_same_step_and_the_scheduler_keeps_i
         after = [r["lr"][0] for r in job.steps(rank) if "exit" not in r and r["step"] >= step]
         assert set(before) == {0.1}, f"rank {rank}: {before}"
         assert after == pytest.approx([0.05] * len(after)), f"rank {rank}: the scheduler undid the reduction"
+
+
+@pytest.mark.integration
+def test_a_reduction_for_a_number_of_steps_is_given_back_on_both_ranks_at_the_same_step(control_job):
+    running = control_job({"group_timeout_seconds": PG_TIMEOUT, "lr_cooldown_seconds": 0.0}, pg_timeout=PG_TIMEOUT)
+    running.wait_ready()
+    action_id = running.post_action("reduce_lr", restore_after_steps=20)
+    applied = running.wait_settled(action_id)
+    assert applied["status"] == "applied"
+    step = applied["step"]
+    running.wait_for(lambda: all(running.steps(r)[-1]["step"] > step + 30 for r in (0, 1)), "30 more steps on both")
+    rates = []
+    for rank in (0, 1):
+        trained = {r["step"]: r["lr"][0] for r in running.steps(rank) if "exit" not in r and r["step"] >= step}
+        rates.append([trained[s] for s in range(step, step + 31)])
+    assert rates[0] == rates[1]
+    # Halved at the step it was applied, given back at the first boundary 20 steps on, once it was judged.
+    back = next(i for i, lr in enumerate(rates[0]) if lr == pytest.approx(0.1))
+    assert 20 <= back <= 22, rates[0]
+    assert rates[0][:back] == pytest.approx([0.05] * back) and rates[0][back:] == pytest.approx([0.1] * (31 - back))
 
 
 @pytest.mark.integration

@@ -144,3 +144,28 @@ def test_every_action_can_be_emptied_so_that_every_alert_only_pages(tmp_path: Pa
     rules = "".join(p.read_text() for p in sorted((tmp_path / "prometheus" / "rules").glob("*.yml")))
     assert "RankscopeNonFiniteSteps" in rules and "RankscopeHostMemoryHigh" in rules
     assert "action:" not in rules
+
+
+def nonfinite_alert(tmp_path: Path, *settings: str) -> dict:
+    args = [part for setting in settings for part in ("--set", setting)]
+    tmp_path.mkdir()
+    result = mixin(*args, "--out", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    groups = yaml.safe_load((tmp_path / "prometheus" / "rules" / "training.yml").read_text())["groups"]
+    return next(r for g in groups for r in g["rules"] if r.get("alert") == "RankscopeNonFiniteSteps")
+
+
+def test_the_nonfinite_alerts_rate_cut_comes_back_after_the_steps_its_tunable_gives(tmp_path: Path) -> None:
+    # A burst of non-finite steps cut the fault campaign's rate for good: the alert now asks for a cut that the
+    # trainer gives back (rankscope.control.lr_return), and says so; 0 keeps the cut, rollback has no return.
+    shipped = nonfinite_alert(tmp_path / "shipped")
+    assert shipped["annotations"]["restore_after_steps"] == "2000"
+    assert "comes back 2000 steps after the reduction" in shipped["annotations"]["description"]
+    shorter = nonfinite_alert(tmp_path / "shorter", "nonfinite_lr_restore_steps=500")
+    assert shorter["annotations"]["restore_after_steps"] == "500"
+    for setting in ("nonfinite_lr_restore_steps=0", "nonfinite_action=rollback"):
+        kept = nonfinite_alert(tmp_path / setting.replace("=", "-"), setting)
+        annotations = kept["annotations"]
+        assert "restore_after_steps" not in annotations and "comes back" not in annotations["description"]
+    bad = mixin("--set", "nonfinite_lr_restore_steps=1.5", "--out", str(tmp_path), cwd=tmp_path)
+    assert bad.returncode == 2 and "nonfinite_lr_restore_steps must be a whole number" in bad.stderr

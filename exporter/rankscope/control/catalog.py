@@ -89,6 +89,16 @@ LR_FACTOR = Parameter(
     default_setting="lr_factor",
     flag="--factor",
 )
+RESTORE_AFTER_STEPS = Parameter(
+    "restore_after_steps",
+    "give the rate back this many steps after the reduction (0: keep it for the rest of the run); a later "
+    "reduction with its own return moves the return of both to its own; a rollback keeps the rates it loads",
+    minimum=0,
+    maximum=10**12,
+    integer=True,
+    exclusive=False,
+    default_setting="lr_restore_after_steps",
+)
 
 BEFORE_STEP = Parameter(
     "before_step",
@@ -138,8 +148,8 @@ CATALOG: tuple[ActionSpec, ...] = (
     ActionSpec(
         "reduce_lr",
         "reduce-lr",
-        "multiply every learning rate by a factor",
-        parameters=(LR_FACTOR,),
+        "multiply every learning rate by a factor, for good or for a number of steps",
+        parameters=(LR_FACTOR, RESTORE_AFTER_STEPS),
         cooldown_steps="lr_cooldown_steps",
         cooldown_seconds="lr_cooldown_seconds",
         cap="lr_max_reductions",

@@ -66,9 +66,12 @@ from rankscope.control.lr import (
     can_reduce,
     capture_references,
     current_learning_rates,
+    reduction_ratios,
+    reference_rates,
     restore_references,
     scale_learning_rates,
 )
+from rankscope.control.lr_return import LRReturn
 from rankscope.control.peer import create_peer_app
 from rankscope.control.recovery import ActionUnavailable, MicroBatchChange, RollbackDone, RollbackRequest
 from rankscope.control.restart import Restarter
@@ -99,8 +102,9 @@ _RESULT = {
 }
 #: Boundaries remembered on rank 0 to find the step at an alert's startsAt (older alerts take the oldest).
 _HISTORY_STEPS = 100_000
-#: Format of `ControlChannel.state_dict()`.
-_STATE_FORMAT = 1
+#: Format of `ControlChannel.state_dict()` (2 added the learning-rate return; 1 is still read).
+_STATE_FORMAT = 2
+_READ_FORMATS = (1, 2)
 
 
 class ControlHandler(Protocol):
@@ -167,6 +171,8 @@ class ControlChannel:
         self._stop_requested = False
         self._lr_scale = 1.0
         self._lr_references: list[float] = []
+        # A reduce_lr with restore_after_steps: the rates owed back, and when (every rank alike).
+        self._lr_return: LRReturn | None = None
         # Actions carried out whose effect is not confirmed yet, by order id, in the order carried out:
         # on every rank what to check and how to undo it; on rank 0 also the record to settle.
         self._checks: dict[str, _Awaited] = {}
@@ -220,7 +226,8 @@ class ControlChannel:
 
     @property
     def lr_scale(self) -> float:
-        """The product of the learning-rate reductions carried out so far (1.0 until the first one).
+        """The product of the learning-rate reductions in force (1.0 until the first one, and again once a
+        reduction for a number of steps has given its rate back).
 
         A loop that computes its own learning rate honours reductions by multiplying it in:
         `group["lr"] = my_lr(step) * channel.lr_scale`. Saved with `state_dict()`."""
@@ -236,6 +243,8 @@ class ControlChannel:
         if not self.config.enabled:
             return []
         self._boundary_step = step
+        if self._lr_return is not None and step >= self._lr_return.due_step and not self._reduction_unsettled():
+            self._give_back_lr(step)
         if self.rank == 0:
             self.snapshot.update(step=step, learning_rates=current_learning_rates(self._optimizer))
             if not self._history or self._history[-1][1] != step:
@@ -252,18 +261,26 @@ class ControlChannel:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must keep for the control loop to resume as it was: the learning-rate
-        scale and reference rates, and how often each action was applied (caps hold across resumes)."""
+        scale and reference rates, the rates owed back by a reduction for a number of steps, and how often
+        each action was applied (caps hold across resumes)."""
         return {
             "format": _STATE_FORMAT,
             "lr_scale": self._lr_scale,
             "lr_references": list(self._lr_references),
+            "lr_return": self._lr_return.to_json() if self._lr_return is not None else None,
             "applied": self._limits.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` (every rank, before the first step boundary)."""
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"control state has format {state.get('format')!r}, this version reads {_STATE_FORMAT}")
+        if state.get("format") not in _READ_FORMATS:
+            raise ValueError(
+                f"control state has format {state.get('format')!r}, this version reads "
+                + " and ".join(map(str, _READ_FORMATS))
+            )
+        owed = state.get("lr_return")
+        groups = len(self._optimizer.param_groups) if self._optimizer is not None else 0
+        self._lr_return = LRReturn.from_json(owed, groups) if owed is not None else None
         self._lr_scale = float(state["lr_scale"])
         saved = [float(v) for v in state["lr_references"]]
         if len(saved) == len(self._lr_references):
@@ -619,11 +636,15 @@ class ControlChannel:
 
     def _reduce_lr(self, order: dict[str, Any], step: int, handler: ControlHandler) -> tuple[int, str]:
         factor, floors = float(order["params"]["lr_factor"]), order["floors"]
-        before = current_learning_rates(self._optimizer)
+        lasts = int(order["params"].get("restore_after_steps") or 0)
+        before, references = current_learning_rates(self._optimizer), reference_rates(self._optimizer)
         saved = capture_references(self._optimizer, self._scheduler)
-        scale = self._lr_scale
+        scale, owed = self._lr_scale, self._lr_return
         written = scale_learning_rates(self._optimizer, self._scheduler, factor, floors)
         self._lr_scale = max(scale * factor, self.config.lr_floor_ratio)
+        if lasts:
+            ratios = reduction_ratios(references, reference_rates(self._optimizer))
+            self._lr_return = LRReturn.after(owed, step, lasts, ratios, scale / self._lr_scale)
         if self.rank == 0:
             self.snapshot.update(learning_rates=written)
         check = LRReductionCheck(before, written)
@@ -634,9 +655,26 @@ class ControlChannel:
 
         def undo() -> None:
             restore_references(saved)
-            self._lr_scale = scale
+            self._lr_scale, self._lr_return = scale, owed
 
         return self._expect(order, step, check, undo)
+
+    def _reduction_unsettled(self) -> bool:
+        """A reduce_lr still waits for the optimizer to use its rate: give nothing back before it is judged."""
+        return any(awaited.action == "reduce_lr" for awaited in self._checks.values())
+
+    def _give_back_lr(self, step: int) -> None:
+        """Every rank, at the same boundary: the rates a reduction for a number of steps took, given back."""
+        owed, self._lr_return = self._lr_return, None
+        assert owed is not None
+        written = scale_learning_rates(self._optimizer, self._scheduler, owed.ratios)
+        self._lr_scale = min(1.0, self._lr_scale * owed.scale)
+        if self.rank == 0:
+            self.snapshot.update(learning_rates=written)
+            logger.warning(
+                "rankscope: learning rates given back at step %d, %d steps after the reduction at step %d: %s",
+                step, step - owed.reduced_at, owed.reduced_at, ", ".join(f"{lr:.3g}" for lr in written),
+            )  # fmt: skip
 
     @staticmethod
     def _ask_loop(handler: ControlHandler, method: str, argument: Any, answer: type) -> tuple[Any, tuple[int, str]]:
@@ -658,6 +696,12 @@ class ControlChannel:
         done, outcome = self._ask_loop(handler, "rollback", RollbackRequest(**order["rollback"]), RollbackDone)
         if done is None:
             return outcome
+        if self._lr_return is not None:
+            # The loop loaded the checkpoint's rates, reduced or not: what was owed back no longer applies to them.
+            if self.rank == 0:
+                logger.warning("rankscope: the rollback at step %d drops the learning rates owed back at step %d",
+                               step, self._lr_return.due_step)  # fmt: skip
+            self._lr_return = None
         if self.rank == 0:
             logger.warning(
                 "rankscope: rollback at step %d to checkpoint step %d (%s), skipping %d batches: %s",

@@ -64,6 +64,10 @@ class ControlConfig:
     It must exceed the longest checkpoint, which all ranks wait for before agreeing on the outcome."""
     lr_factor: float = 0.5
     """Default factor of `reduce_lr` (a request may give its own `lr_factor`)."""
+    lr_restore_after_steps: int = 0
+    """Default `restore_after_steps` of `reduce_lr`: the rates return to what they were this many steps after
+    the reduction (0 = the reduction lasts the rest of the run). The rule pack's non-finite alert gives its own
+    (`nonfinite_lr_restore_steps`)."""
     lr_floor: float = 0.0
     """`reduce_lr` never takes a learning rate below this (absolute); at the floor it is refused."""
     lr_floor_ratio: float = 1e-3
@@ -121,7 +125,8 @@ class ControlConfig:
         check_host("control.host", self.host)
         check_port("control.port", self.port)
         minimums = {"max_body_bytes": 256, "max_pending": 1, "recent_actions": 1, "check_every_n_steps": 1,
-                    "lr_cooldown_steps": 0, "lr_max_reductions": 0, "checkpoint_cooldown_steps": 0}  # fmt: skip
+                    "lr_cooldown_steps": 0, "lr_max_reductions": 0, "lr_restore_after_steps": 0,
+                    "checkpoint_cooldown_steps": 0}  # fmt: skip
         for name, low in minimums.items():
             check_range(f"control.{name}", getattr(self, name), ge=low, integer=True)
         for name in ("rollback_margin_batches", "rollback_lookahead_batches", "rollback_onset_window_steps",

@@ -11,6 +11,7 @@ So the scheduler's own reference values are scaled by the same factor:
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ __all__ = [
     "can_reduce",
     "capture_references",
     "current_learning_rates",
+    "reduction_ratios",
+    "reference_rates",
     "restore_references",
     "scale_learning_rates",
 ]
@@ -43,9 +46,12 @@ def can_reduce(optimizer: Any, floor: Floor) -> bool:
     return any(lr > bound for lr, bound in zip(rates, _per_group(floor, len(rates)), strict=True))
 
 
-def scale_learning_rates(optimizer: Any, scheduler: Any | None, factor: float, floor: Floor = 0.0) -> list[float]:
-    """Multiply every learning rate by `factor`, never below `floor` (one value, or one per param
-    group); returns the new rates.
+def scale_learning_rates(
+    optimizer: Any, scheduler: Any | None, factor: float | Sequence[float], floor: Floor = 0.0
+) -> list[float]:
+    """Multiply every learning rate by `factor`, never below `floor` (each one value, or one per param
+    group); returns the new rates. A factor above 1 gives back what an earlier reduction took
+    (`reduction_ratios`).
 
     The floor bounds the reduction of the reference values too; a scheduler
     that later multiplies a floored base LR by a warmup factor below 1 may
@@ -55,14 +61,29 @@ def scale_learning_rates(optimizer: Any, scheduler: Any | None, factor: float, f
     (DDP replicas) end with identical rates.
     """
     floors = _per_group(floor, len(optimizer.param_groups))
-    for group, bound in zip(optimizer.param_groups, floors, strict=True):
-        group["lr"] = _scaled(group["lr"], factor, bound)
+    factors = _per_group(factor, len(optimizer.param_groups), "learning-rate factors")
+    for group, by, bound in zip(optimizer.param_groups, factors, floors, strict=True):
+        group["lr"] = _scaled(group["lr"], by, bound)
         for key in _GROUP_KEYS:
             if key in group:
-                group[key] = _scaled(group[key], factor, 0.0 if key == "min_lr" else bound)
+                group[key] = _scaled(group[key], by, 0.0 if key == "min_lr" else bound)
     if scheduler is not None:
-        _scale_scheduler(scheduler, factor, floors)
+        _scale_scheduler(scheduler, factors, floors)
     return current_learning_rates(optimizer)
+
+
+def reference_rates(optimizer: Any) -> list[float]:
+    """Each param group's reference rate: its scheduler's `initial_lr` where it has one (the schedule's rate at
+    any step follows it), else the rate itself."""
+    if optimizer is None:
+        return []
+    return [_as_float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups]
+
+
+def reduction_ratios(before: Sequence[float], after: Sequence[float]) -> list[float]:
+    """Per group, the factor that gives back a reduction from the `reference_rates` `before` to `after`: 1 where
+    nothing was reduced (at its floor) or a rate cannot be read."""
+    return [b / a if 0 < a < b and math.isfinite(b) else 1.0 for b, a in zip(before, after, strict=True)]
 
 
 def capture_references(optimizer: Any, scheduler: Any | None) -> list[tuple[Any, str, Any]]:
@@ -97,26 +118,29 @@ def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
-def _per_group(floor: Floor, groups: int) -> list[float]:
-    if isinstance(floor, (int, float)):
-        return [float(floor)] * groups
-    floors = [float(f) for f in floor]
-    if len(floors) != groups:
-        raise ValueError(f"{len(floors)} learning-rate floors for {groups} param groups")
-    return floors
+def _per_group(values: Floor, groups: int, what: str = "learning-rate floors") -> list[float]:
+    if isinstance(values, (int, float)):
+        return [float(values)] * groups
+    per_group = [float(v) for v in values]
+    if len(per_group) != groups:
+        raise ValueError(f"{len(per_group)} {what} for {groups} param groups")
+    return per_group
 
 
-def _scale_scheduler(scheduler: Any, factor: float, floors: list[float]) -> None:
+def _scale_scheduler(scheduler: Any, factors: list[float], floors: list[float]) -> None:
     for attribute in _SCHEDULER_ATTRIBUTES:
         values = getattr(scheduler, attribute, None)
         if isinstance(values, list):
+            # Lists that are not one per param group take the smallest factor: the most a reduction takes,
+            # the least a return gives back.
             bounds = floors if len(floors) == len(values) else [min(floors, default=0.0)] * len(values)
-            setattr(scheduler, attribute, [_scaled(v, factor, b) for v, b in zip(values, bounds, strict=True)])
+            by = factors if len(factors) == len(values) else [min(factors, default=1.0)] * len(values)
+            setattr(scheduler, attribute, [_scaled(v, f, b) for v, f, b in zip(values, by, bounds, strict=True)])
     # What get_last_lr() reports should match the optimizer right away.
     if isinstance(getattr(scheduler, "_last_lr", None), list) and hasattr(scheduler, "optimizer"):
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     for child in getattr(scheduler, "_schedulers", ()) or ():
-        _scale_scheduler(child, factor, floors)
+        _scale_scheduler(child, factors, floors)
 
 
 def _scaled(value: Any, factor: float, floor: float) -> Any:

@@ -224,6 +224,13 @@ class Tunables:
     nonfinite_action: str = "reduce_lr"
     """What non-finite steps ask the trainer for: reduce_lr, or rollback (weights a NaN already reached come
     back from the checkpoint)."""
+    nonfinite_lr_restore_steps: int = 2000
+    """With reduce_lr: the learning rate comes back this many steps after the reduction (the alert's
+    `restore_after_steps`; 0 = the cut lasts the rest of the run), as a GradScaler grows its loss scale back
+    after 2000 finite steps. Non-finite steps that go on fire the alert again a clear window after the action,
+    and the new cut moves the return; a burst that is over costs the run a stretch of its rate, not the rest of
+    it (the fault campaign's loop reached its target thousands of steps later with the cut for good:
+    benchmarks/README.md). Keep it longer than the clear window's steps."""
     nonfinite_clear_window: str = "1m"
     """The alert holds only while the run had a non-finite step within this range, and not within this range
     after its action was applied: it resolves this long after the steps are finite again, and at once when the
@@ -380,6 +387,7 @@ class Tunables:
                      "hang_checkpoint_limit_seconds", "hang_validation_limit_seconds"):  # fmt: skip
             check_range(name, getattr(self, name), gt=0)
         check_range("nonfinite_steps", self.nonfinite_steps, ge=0)
+        check_range("nonfinite_lr_restore_steps", self.nonfinite_lr_restore_steps, ge=0, integer=True)
         check_range("divergence_min_increase", self.divergence_min_increase, ge=0)
         for f in fields(self):
             if f.name.endswith("_severity") and getattr(self, f.name) not in SEVERITIES:
@@ -414,11 +422,12 @@ def apply_overrides(t: Tunables, pairs: list[str]) -> Tunables:
         if not matched:
             raise ValueError(f"--set {pair!r}: no tunable matches {name!r}; known: {', '.join(kinds)}")
         for n in matched:
-            if kinds[n] == "float":
+            if kinds[n] in ("float", "int"):
+                number, what = (float, "a number") if kinds[n] == "float" else (int, "a whole number")
                 try:
-                    changes[n] = float(raw)
+                    changes[n] = number(raw)
                 except ValueError:
-                    raise ValueError(f"--set {pair!r}: {n} must be a number, got {raw!r}") from None
+                    raise ValueError(f"--set {pair!r}: {n} must be {what}, got {raw!r}") from None
             else:
                 changes[n] = raw
     return replace(t, **changes)

@@ -103,6 +103,11 @@ def alerts(t: Tunables) -> list[Alert]:
     divergence, divergence_said = effect(t.divergence_action)
     relapse_line = f"{LOSS_WINDOW_LOW} + {num(t.divergence_relapse_share)} * ({LOSS_WINDOW_HIGH} - {LOSS_WINDOW_LOW})"
     nonfinite, nonfinite_said = effect(t.nonfinite_action)
+    nonfinite_return = (
+        f" The rate comes back {t.nonfinite_lr_restore_steps} steps after the reduction."
+        if t.nonfinite_action == "reduce_lr" and t.nonfinite_lr_restore_steps
+        else ""
+    )
     return [
         Alert(
             "RankscopeLossDiverging",
@@ -171,8 +176,9 @@ def alerts(t: Tunables) -> list[Alert]:
             'Run {{ $labels.run_id }} had {{ $value | printf "%.0f" }} steps with a non-finite loss or gradient '
             f"norm in the last {t.nonfinite_window} (more than {num(t.nonfinite_steps)} fires), the latest within "
             f"{t.nonfinite_clear_window}. {sentence(nonfinite_said)}; the alert resolves once it has, or once no step "
-            f"has been non-finite for {t.nonfinite_clear_window}.",
+            f"has been non-finite for {t.nonfinite_clear_window}.{nonfinite_return}",
             t.nonfinite_action,
+            parameters={"restore_after_steps": str(t.nonfinite_lr_restore_steps)} if nonfinite_return else {},
         ),
         Alert(
             "RankscopeLossScaleCollapse",
