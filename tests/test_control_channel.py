@@ -583,26 +583,26 @@ def test_a_rollback_from_a_smoothed_alert_goes_back_to_before_its_signal_began_t
     assert loop.requests[-1].before_step == 12 and loop.requests[-1].incident_step == 25
 
 
-def test_an_alerts_incident_lookback_is_a_rollback_parameter_from_its_annotations():
+@pytest.mark.parametrize(
+    ("alert", "action", "annotation", "parameter"),
+    [
+        (
+            "RankscopeLossDiverging",
+            "rollback",
+            {"incident_lookback_seconds": "120"},
+            {"incident_lookback_seconds": 120.0},
+        ),
+        ("RankscopeNonFiniteSteps", "reduce_lr", {"restore_after_steps": "2000"}, {"restore_after_steps": 2000}),
+    ],
+)
+def test_an_action_parameter_comes_from_the_alerts_annotations(alert, action, annotation, parameter):
     from rankscope.control.alerts import parse_alert_payload
 
     body = {"version": "4", "status": "firing", "alerts": [{
-        "status": "firing", "labels": {"alertname": "RankscopeLossDiverging", "action": "rollback"},
-        "annotations": {"incident_lookback_seconds": "120"}, "startsAt": "2026-12-04T09:00:00Z",
-        "fingerprint": "f"}]}  # fmt: skip
+        "status": "firing", "labels": {"alertname": alert, "action": action}, "annotations": annotation,
+        "startsAt": "2026-12-04T09:00:00Z", "fingerprint": "f"}]}  # fmt: skip
     (request,) = parse_alert_payload(body).requests
-    assert request.params == {"incident_lookback_seconds": 120.0}
-
-
-def test_a_reductions_return_is_a_parameter_from_an_alerts_annotations():
-    from rankscope.control.alerts import parse_alert_payload
-
-    body = {"version": "4", "status": "firing", "alerts": [{
-        "status": "firing", "labels": {"alertname": "RankscopeNonFiniteSteps", "action": "reduce_lr"},
-        "annotations": {"restore_after_steps": "2000"}, "startsAt": "2026-12-04T09:00:00Z",
-        "fingerprint": "f"}]}  # fmt: skip
-    (request,) = parse_alert_payload(body).requests
-    assert request.params == {"restore_after_steps": 2000}
+    assert request.params == parameter
 
 
 def test_a_rollback_the_loop_did_not_follow_is_overridden(make_channel):

@@ -89,36 +89,31 @@ LR_FACTOR = Parameter(
     default_setting="lr_factor",
     flag="--factor",
 )
-RESTORE_AFTER_STEPS = Parameter(
+
+
+def _count(name: str, help: str, minimum: int = 0, **settings: Any) -> Parameter:
+    """A parameter that counts steps or batches: a whole number, its bounds included."""
+    return Parameter(name, help, minimum=minimum, maximum=10**12, integer=True, exclusive=False, **settings)
+
+
+RESTORE_AFTER_STEPS = _count(
     "restore_after_steps",
     "give the rate back this many steps after the reduction (0: keep it for the rest of the run); a later "
     "reduction with its own return moves the return of both to its own; a rollback keeps the rates it loads",
-    minimum=0,
-    maximum=10**12,
-    integer=True,
-    exclusive=False,
     default_setting="lr_restore_after_steps",
 )
-
-BEFORE_STEP = Parameter(
+BEFORE_STEP = _count(
     "before_step",
     "roll back to the newest checkpoint written before this step (default: the step at the alert's startsAt, "
     "or the current step)",
     minimum=1,
-    maximum=10**12,
-    integer=True,
-    exclusive=False,
     flag="--before-step",
 )
-SKIP_BATCHES = Parameter(
+SKIP_BATCHES = _count(
     "skip_batches",
     "batches of data to skip after the checkpoint (default: those trained since it, or up to the incident if "
     "that is later, plus control.rollback_margin_batches, and then what the loop, reading ahead, finds bad); "
     "given, it is taken as is",
-    minimum=0,
-    maximum=10**12,
-    integer=True,
-    exclusive=False,
 )
 INCIDENT_LOOKBACK = Parameter(
     "incident_lookback_seconds",
