@@ -36,10 +36,10 @@ class LRReturn:
     def after(cls, earlier: LRReturn | None, step: int, steps: int, ratios: Sequence[float], scale: float) -> LRReturn:
         """The return due `steps` after a reduction at `step` by `ratios` (per group, what gives it back), joined
         with an `earlier` one still owed: both are given back at the later due step."""
-        if earlier is None:
+        if earlier is None or len(earlier.ratios) != len(ratios):
+            # Param groups added since the earlier cut: its ratios fit no group now, and it is dropped (a rate
+            # left lower, never raised past what it was).
             return cls(step + steps, tuple(ratios), scale, step)
-        if len(earlier.ratios) != len(ratios):
-            raise ValueError(f"{len(ratios)} param groups now, {len(earlier.ratios)} when the rate was reduced")
         joined = tuple(a * b for a, b in zip(earlier.ratios, ratios, strict=True))
         return cls(max(earlier.due_step, step + steps), joined, earlier.scale * scale, earlier.reduced_at)
 
