@@ -208,16 +208,16 @@ def test_the_operator_answers_a_page_after_its_delay_and_not_one_resolved_in_the
         endpoint.close()
 
 
-def _rollback_posted(tmp_path: Path, trained: list[tuple[int, float]], **annotations: str) -> dict:
-    """What the operator posts for a divergence page fired at 05:00:00 with `annotations`, after a run log of
-    (step, seconds before it fired)."""
+def _posted(tmp_path: Path, trained: list[tuple[int, float]], alertname: str, **annotations: str) -> dict:
+    """What the operator posts for a page fired at 05:00:00 with `annotations`, after a run log of (step, seconds
+    before it fired)."""
     fired = unix_time("2026-12-04T05:00:00Z")
     log = tmp_path / "log.jsonl"
     log.write_text("".join(json.dumps({"type": "train", "step": s, "time": fired - ago}) + "\n" for s, ago in trained))
     pager, endpoint = WebhookSink(), WebhookSink()
     operator = Operator(pager, Control(endpoint.port, "token"), delay=0.0, run_id="r-off", run_log=log).start()
     try:
-        _page(pager, "RankscopeLossDiverging", "firing", **annotations)
+        _page(pager, alertname, "firing", **annotations)
         return endpoint.wait_for(lambda d: d.path == "/v1/actions", timeout=20).body
     finally:
         operator.close()
@@ -228,7 +228,7 @@ def _rollback_posted(tmp_path: Path, trained: list[tuple[int, float]], **annotat
 def test_the_operators_rollback_goes_to_the_step_the_run_log_shows_before_the_incident(tmp_path: Path) -> None:
     """Posted bare, a rollback takes the incident to be now and restores a checkpoint with the divergence in it."""
     trained = [(100, 300), (200, 250), (300, 200), (150, 100), (400, 0)]
-    body = _rollback_posted(tmp_path, trained, incident_lookback_seconds="240")
+    body = _posted(tmp_path, trained, "RankscopeLossDiverging", incident_lookback_seconds="240")
     # 240 s before it fired the run was at step 200 (a later rollback's steps 150.. came after).
     assert body == {"action": "rollback", "reason": "RankscopeLossDiverging", "params": {"before_step": 200}}
 
@@ -238,7 +238,14 @@ def test_the_operators_rollback_reads_the_runbooks_lookback_where_the_alert_carr
     # operator took the incident to begin when the alert fired, 70 s into the divergence, and restored a
     # checkpoint with it in. The runbook says where it began: the shipped rule's lookback (130 s).
     trained = [(100, 200), (200, 140), (300, 125), (400, 60), (500, 0)]
-    assert _rollback_posted(tmp_path, trained)["params"] == {"before_step": 200}  # 130 s before it fired
+    assert _posted(tmp_path, trained, "RankscopeLossDiverging")["params"] == {"before_step": 200}  # 130 s before
+
+
+def test_the_operators_rate_cut_lasts_the_steps_the_runbook_gives(tmp_path: Path) -> None:
+    # The runbook's cut for non-finite steps comes back after nonfinite_lr_restore_steps, as the loop's does: an
+    # operator who cut it for good would pay the time to target the loop-on arms paid before.
+    body = _posted(tmp_path, [(100, 0)], "RankscopeNonFiniteSteps")
+    assert body == {"action": "reduce_lr", "reason": "RankscopeNonFiniteSteps", "params": {"restore_after_steps": 2000}}
 
 
 def test_the_goals_are_judged_on_the_loop_on_arm_against_the_fault_free_one() -> None:

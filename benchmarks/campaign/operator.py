@@ -24,7 +24,7 @@ from devstack.webhook import WebhookSink
 
 from .runlog import read_records
 
-__all__ = ["Operator", "OperatorAction", "runbook_actions", "runbook_lookbacks"]
+__all__ = ["Operator", "OperatorAction", "runbook_actions", "runbook_parameters"]
 
 
 def runbook_actions() -> dict[str, str]:
@@ -39,14 +39,11 @@ def runbook_actions() -> dict[str, str]:
     return found
 
 
-def runbook_lookbacks() -> dict[str, float]:
-    """alertname -> how long before the alert fired the runbook says its incident began: the shipped rule's
-    `incident_lookback_seconds` (the loop-off arm's rules, with no action, carry none)."""
-    return {
-        alert.name: float(alert.parameters["incident_lookback_seconds"])
-        for alert in rules.alerts(Tunables())
-        if "incident_lookback_seconds" in alert.parameters
-    }
+def runbook_parameters() -> dict[str, dict[str, str]]:
+    """alertname -> the action's parameters the runbook gives: the shipped rule's (how long before the alert
+    fired its incident began, how many steps a rate cut lasts); the loop-off arm's rules, with no action,
+    carry none."""
+    return {alert.name: dict(alert.parameters) for alert in rules.alerts(Tunables()) if alert.parameters}
 
 
 @dataclass
@@ -68,7 +65,7 @@ class Operator:
     def __init__(self, pager: WebhookSink, control: Control, delay: float, run_id: str, run_log: Path) -> None:
         self.pager, self.control, self.delay, self.run_id, self.run_log = pager, control, delay, run_id, run_log
         self.runbook = runbook_actions()
-        self.lookbacks = runbook_lookbacks()
+        self.parameters = runbook_parameters()
         self.answered: list[OperatorAction] = []
         self._answered_changed = threading.Condition()
         self._seen = 0
@@ -126,15 +123,18 @@ class Operator:
             self._answered_changed.notify_all()
 
     def _params(self, action: str, alert: dict) -> dict[str, Any] | None:
-        """A rollback goes to before the incident, as the runbook says: the operator reads on the loss panel
-        where it began, here the step the run log shows at the alert's startsAt less its
-        incident_lookback_seconds (what the loop's own rollback goes back to), the runbook's where the alert
-        carries none. Posted without it, the endpoint would take the incident to be now, and restore the
-        divergence it was asked to undo."""
-        if action != "rollback":
-            return None
+        """The runbook's parameters of the action (a rate cut for the steps it says). A rollback goes to before
+        the incident, as the runbook says: the operator reads on the loss panel where it began, here the step
+        the run log shows at the alert's startsAt less its incident_lookback_seconds (what the loop's own
+        rollback goes back to), the runbook's where the alert carries none. Posted without it, the endpoint
+        would take the incident to be now, and restore the divergence it was asked to undo."""
         name = alert.get("labels", {}).get("alertname", "")
-        lookback = alert.get("annotations", {}).get("incident_lookback_seconds", self.lookbacks.get(name, 0.0))
+        given = self.parameters.get(name, {})
+        if action != "rollback":
+            return {key: _number(value) for key, value in given.items()} if action == "reduce_lr" and given else None
+        lookback = alert.get("annotations", {}).get(
+            "incident_lookback_seconds", given.get("incident_lookback_seconds", 0)
+        )
         began = unix_time(alert["startsAt"]) - float(lookback)
         steps = [r["step"] for r in read_records(self.run_log) if r.get("type") == "train" and r["time"] <= began]
         return {"before_step": steps[-1]} if steps else None
@@ -144,3 +144,9 @@ class Operator:
         with self._answered_changed:
             self._answered_changed.wait_for(lambda: len(self.answered) >= count, timeout)
             return list(self.answered)
+
+
+def _number(text: str) -> float | int:
+    """A rule's parameter (an annotation, so text) as the number the endpoint takes."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
