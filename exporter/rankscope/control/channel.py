@@ -833,8 +833,12 @@ class ControlChannel:
             logger.warning("rankscope: rank %d: %s %s at step %d: %s", self.rank, action, _RESULT[code], step, detail)
         elif worst == _APPLIED:
             logger.info("rankscope: rank %d applied %s at step %d", self.rank, action, carried_at)
-            if carried_at != step:  # a rollback is seen at a step before it: the run went back, not time
-                detail = f"took effect by step {step}" if step > carried_at else f"the run went back to step {step}"
+            # A rollback is seen at a step before it, or at its own number when it went back to the checkpoint just
+            # before it: the run went back, not time.
+            if action == "rollback" and step <= carried_at:
+                detail = f"the run went back to step {step}"
+            elif carried_at != step:
+                detail = f"took effect by step {step}"
         if record is not None:
             if worst >= _REFUSED:
                 self._limits.undo(record.action)  # no cap or cooldown used by what did not happen
