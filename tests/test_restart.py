@@ -238,3 +238,35 @@ def test_a_collective_younger_than_the_boundary_wait_is_waited_out(wsgi_call, tm
     held.start()  # the training thread reaches its boundary: held there, and the group exits
     assert rank0.left.wait(10)
     assert json.loads((tmp_path / LEDGER_FILE).read_text())["pending"]["exit_step"] == 41
+
+
+def test_rank_0_notes_its_ending_before_any_peer_is_told_to_leave(wsgi_call, tmp_path):
+    """torchrun stops rank 0 as soon as a peer has exited: a note still saying "running" then had the next
+    process report rank 0 vanished, a false page (the CI's quick campaign, loop-off arm, once)."""
+    import http.server
+
+    from rankscope.exits import ExitNote, end_all
+
+    note = ExitNote(tmp_path, 0, "run").begin()
+    seen: list[object] = []
+
+    class Peer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the peer's /v1/exit: what rank 0's note says when a peer leaves
+            seen.append(json.loads(note.path.read_text()).get("ended"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rank0 = Incarnation(tmp_path, UNDER_TORCHRUN, peers=lambda: {1: f"http://127.0.0.1:{server.server_port}"})
+        wsgi_call(rank0.app, "POST", "/v1/actions", {"action": "restart", "reason": "hung"}, AUTH)
+        assert rank0.left.wait(10)
+        assert seen == ["restart"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        end_all("test")

@@ -251,13 +251,15 @@ class Restarter:
             self._before_exit()
         except Exception:
             logger.exception("rankscope: restart %s: writing the state before the exit failed", record.id)
+        # os._exit runs no atexit hook, and torchrun stops rank 0 as soon as a peer has left: the note of how this
+        # process ends is written now, or the next process may call it vanished (a false page).
+        end_all("restart")
         tell_peers_to_leave(peers, self._token)
         logger.warning("rankscope: restart %s: rank 0 exits with status %d", record.id, RESTART_EXIT_STATUS)
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
         time.sleep(_GRACE_SECONDS)
         self._note_exit_step()
-        end_all("restart")  # os._exit runs no atexit hook: say so, or the next process calls this one vanished
         self._leave(RESTART_EXIT_STATUS)
 
     def _thaw(self) -> None:
