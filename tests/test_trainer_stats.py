@@ -28,6 +28,8 @@ def batch_and_model():
     data = ShapesDataset(8, 48, 0, "train", image_transform(48))
     tok = WordTokenizer.build(data.captions(), 16)
     batch = Collate(tok, 48)([data[i] for i in range(8)])
+    # Seeded: the test order must not choose the weights (this seed's gate mean is near zero).
+    torch.manual_seed(3)
     return batch, build_model(ModelConfig(), tok.vocab_size, tok.max_length, tok.pad_id)
 
 
@@ -49,7 +51,11 @@ def test_model_statistics_cover_the_gate_the_temperature_and_each_attention_laye
     record_model_stats(monitor, model, batch)
     value = monitor.registry.get_sample_value
     weight = model.fusion.gate.weight
-    assert value("rankscope_fusion_gate_weight", {**LABELS, "stat": "mean"}) == pytest.approx(weight.mean().item())
+    # A mean near zero is a float32 sum that cancels: two summation orders differ by about
+    # eps * mean|w|, so the tolerance follows the weights' size, not the mean's.
+    assert value("rankscope_fusion_gate_weight", {**LABELS, "stat": "mean"}) == pytest.approx(
+        weight.double().mean().item(), rel=0, abs=1e-5 * weight.abs().mean().item()
+    )
     assert value("rankscope_fusion_gate_weight", {**LABELS, "stat": "max_abs"}) == pytest.approx(
         weight.abs().max().item()
     )
@@ -82,7 +88,7 @@ def test_model_statistics_use_the_entropy_read_from_the_training_forward(monitor
 
 @pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (3.0, 1.0), (120.0, 60.0)])  # normalised .. raw 0-255 pixels
 def test_channel_statistics_match_torch_over_batch_and_pixels(offset: float, scale: float) -> None:
-    torch.manual_seed(0)
+    torch.manual_seed(3)
     images = torch.randn(6, 3, 10, 12) * torch.tensor([1.0, 2.0, 0.5])[None, :, None, None] * scale + offset
     mean, std = channel_mean_std(images)
     reference_std, reference_mean = torch.std_mean(images.transpose(0, 1).reshape(3, -1).double(), dim=1)
