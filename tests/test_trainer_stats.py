@@ -28,9 +28,11 @@ def batch_and_model():
     data = ShapesDataset(8, 48, 0, "train", image_transform(48))
     tok = WordTokenizer.build(data.captions(), 16)
     batch = Collate(tok, 48)([data[i] for i in range(8)])
-    # Seeded: the test order must not choose the weights (this seed's gate mean is near zero).
-    torch.manual_seed(3)
-    return batch, build_model(ModelConfig(), tok.vocab_size, tok.max_length, tok.pad_id)
+    # Seeded, so that the test order does not choose the weights; seed 3's gate mean is one whose two float32
+    # summation orders failed a relative tolerance. Forked, so that no other test's random numbers change.
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        return batch, build_model(ModelConfig(), tok.vocab_size, tok.max_length, tok.pad_id)
 
 
 def test_batch_statistics_describe_texts_and_images(monitor, batch_and_model) -> None:
@@ -88,7 +90,7 @@ def test_model_statistics_use_the_entropy_read_from_the_training_forward(monitor
 
 @pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (3.0, 1.0), (120.0, 60.0)])  # normalised .. raw 0-255 pixels
 def test_channel_statistics_match_torch_over_batch_and_pixels(offset: float, scale: float) -> None:
-    torch.manual_seed(3)
+    torch.manual_seed(0)
     images = torch.randn(6, 3, 10, 12) * torch.tensor([1.0, 2.0, 0.5])[None, :, None, None] * scale + offset
     mean, std = channel_mean_std(images)
     reference_std, reference_mean = torch.std_mean(images.transpose(0, 1).reshape(3, -1).double(), dim=1)
